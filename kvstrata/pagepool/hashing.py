@@ -1,0 +1,154 @@
+"""Chained BLAKE2b-128 prefix hashes over full pages, under a namespace.
+
+``h_{-1} = H(namespace)`` and ``h_i = H(h_{i-1} || tokens of page i)``, where ``H`` is BLAKE2b with a
+16-byte digest and tokens are little-endian int64. Only full pages are hashed. The namespace binds
+everything that makes KV bytes differ (models, group specs, page size, layout version) plus the
+request's ``cache_salt``; its serialization is tagged and length-prefixed, so two different
+namespaces never serialize alike and a page hashed under one is never found under another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from .spec import LAYOUT_VERSION, KVGroupSpec, check_groups, check_page_size
+
+HASH_BYTES = 16
+_TOKEN_DTYPE = np.dtype("<i8")
+
+
+def blake2b_128(data: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+
+
+def _field(tag: str, value: bytes) -> bytes:
+    t = tag.encode()
+    return struct.pack("<H", len(t)) + t + struct.pack("<Q", len(value)) + value
+
+
+def _encode_value(v) -> bytes:
+    """Tagged, length-prefixed encoding of str/int/None/bytes/tuples (recursively)."""
+    if v is None:
+        return b"N"
+    if isinstance(v, bool):
+        return b"B" + (b"\x01" if v else b"\x00")
+    if isinstance(v, int):
+        s = str(v).encode()
+        return b"I" + struct.pack("<I", len(s)) + s
+    if isinstance(v, str):
+        s = v.encode()
+        return b"S" + struct.pack("<Q", len(s)) + s
+    if isinstance(v, (bytes, bytearray)):
+        return b"Y" + struct.pack("<Q", len(v)) + bytes(v)
+    if isinstance(v, (tuple, list)):
+        parts = [_encode_value(x) for x in v]
+        return b"T" + struct.pack("<I", len(parts)) + b"".join(parts)
+    raise TypeError(f"cannot serialize {type(v).__name__} into a namespace")
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything a page's bytes depend on, plus the request's ``cache_salt``.
+
+    ``target`` and ``drafter`` are fingerprints (e.g. a digest of the config and weights, or a model
+    name plus revision); ``drafter="none"`` when speculative decoding is off.
+    """
+
+    target: str
+    groups: tuple[KVGroupSpec, ...]
+    page_size: int
+    drafter: str = "none"
+    layout_version: int = LAYOUT_VERSION
+    cache_salt: str | None = None
+    _digest: bytes = field(default=b"", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", check_groups(self.groups))
+        check_page_size(self.page_size)
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError("Namespace.target must be a non-empty model fingerprint")
+        if not isinstance(self.drafter, str) or not self.drafter:
+            raise ValueError("Namespace.drafter must be a fingerprint or 'none'")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
+        object.__setattr__(self, "_digest", blake2b_128(self.serialize()))
+
+    def serialize(self) -> bytes:
+        """Unambiguous byte encoding (tag + length + value for every field)."""
+        return b"kvstrata-ns\x00" + b"".join([
+            _field("layout_version", _encode_value(self.layout_version)),
+            _field("target", _encode_value(self.target)),
+            _field("drafter", _encode_value(self.drafter)),
+            _field("groups", _encode_value(tuple(g.fingerprint_fields() for g in self.groups))),
+            _field("page_size", _encode_value(self.page_size)),
+            _field("cache_salt", _encode_value(self.cache_salt)),
+        ])
+
+    @property
+    def digest(self) -> bytes:
+        """``H(namespace)``: the chain's root ``h_{-1}``."""
+        return self._digest
+
+    def with_salt(self, cache_salt: str | None) -> "Namespace":
+        if cache_salt == self.cache_salt:
+            return self
+        return Namespace(self.target, self.groups, self.page_size, self.drafter,
+                         self.layout_version, cache_salt)
+
+    def compatible(self, other: "Namespace") -> list[str]:
+        """Names of the fields (other than ``cache_salt``) in which two namespaces differ."""
+        diffs = []
+        for name in ("target", "drafter", "page_size", "layout_version"):
+            if getattr(self, name) != getattr(other, name):
+                diffs.append(f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}")
+        mine = tuple(g.fingerprint_fields() for g in self.groups)
+        theirs = tuple(g.fingerprint_fields() for g in other.groups)
+        if mine != theirs:
+            diffs.append(f"groups: {mine} != {theirs}")
+        return diffs
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Little-endian int64 bytes of a token list; refuses negative ids."""
+    arr = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and int(arr.min()) < 0:
+        raise ValueError(f"token ids must be non-negative, got {int(arr.min())}")
+    return arr.tobytes()
+
+
+def hash_page(parent: bytes, page_tokens: Sequence[int]) -> bytes:
+    """``H(parent || tokens)`` for one full page."""
+    return blake2b_128(parent + tokens_to_bytes(page_tokens))
+
+
+def page_hashes(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
+                start_page: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """Chained hashes of every *full* page of ``token_ids``.
+
+    With ``start_page > 0``, ``parent`` must be the hash of page ``start_page - 1`` (so a growing
+    sequence hashes only its new pages).
+    """
+    P = namespace.page_size
+    raw = tokens_to_bytes(token_ids)
+    n_full = len(raw) // (8 * P)
+    if start_page == 0:
+        h = namespace.digest
+    elif parent is None:
+        raise ValueError("page_hashes(start_page>0) needs the parent hash")
+    else:
+        h = parent
+    out: list[bytes] = []
+    mv = memoryview(raw)
+    step = 8 * P
+    blake = hashlib.blake2b
+    for i in range(start_page, n_full):
+        h = blake(h + mv[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()
+        out.append(h)
+    return out
