@@ -1,1 +1,8 @@
-"""kvstrata.kernels"""
+"""kvstrata.kernels: Triton kernels next to plain-torch references with the same signatures."""
+
+from .attention import (AttentionMetadata, paged_attention, paged_attention_ref,
+                        plan_attention)
+from .kv_write import write_kv, write_kv_ref
+
+__all__ = ["AttentionMetadata", "paged_attention", "paged_attention_ref", "plan_attention",
+           "write_kv", "write_kv_ref"]
