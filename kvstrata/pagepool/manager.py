@@ -152,6 +152,9 @@ class KVCacheManager:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError(f"sequence {seq_id!r}: empty token list")
+        if min(token_ids) < 0:
+            raise ValueError(f"sequence {seq_id!r}: token ids must be non-negative, got "
+                             f"{min(token_ids)}")
         self._check_length(len(token_ids))
         ns = self.namespace_for(cache_salt)
         if max_cached_tokens is None:

@@ -83,6 +83,10 @@ class PagePool:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._info: list[PageInfo | None] = [None] * num_pages
         self._index: dict[bytes, int] = {}
+        # NOTE: in-use pages holding a hash that another in-use page already indexes (two sequences
+        # computed the same page concurrently). When the indexed one is released, the index moves to
+        # one of these, so a page held by a live sequence is always findable by its hash.
+        self._dups: dict[bytes, set[int]] = {}
         self.num_evictions = 0
 
     # -- construction helpers ---------------------------------------------------------------
@@ -211,28 +215,54 @@ class PagePool:
         for p in page_ids:
             self._ref[p] -= 1
             if self._ref[p] == 0:
-                inf = self._info[p]
-                if inf is not None and self._index.get(inf.hash) == p:
-                    self._lru[p] = None
-                else:
-                    self._info[p] = None
-                    self._free.appendleft(p)
+                self._unref(p)
+
+    def _unref(self, p: int) -> None:
+        inf = self._info[p]
+        if inf is not None and self._index.get(inf.hash) == p:
+            dups = self._dups.get(inf.hash)
+            if not dups:
+                self._lru[p] = None
+                return
+            # A live duplicate takes over the index; this copy is redundant.
+            self._index[inf.hash] = dups.pop()
+            if not dups:
+                del self._dups[inf.hash]
+        elif inf is not None:
+            dups = self._dups[inf.hash]
+            dups.discard(p)
+            if not dups:
+                del self._dups[inf.hash]
+        self._info[p] = None
+        self._free.appendleft(p)
 
     def set_hash(self, page_id: int, page_hash: bytes, parent_hash: bytes,
                  token_ids: Sequence[int]) -> bool:
         """Record that in-use page ``page_id`` holds the full page hashed ``page_hash``.
 
-        Returns ``False`` if another page already holds that hash (two sequences computed the same
-        prefix concurrently); the index keeps the existing page and this one stays unindexed, so it
-        is freed, not cached, when released.
+        If another *in-use* page already holds that hash (two sequences computed the same page
+        concurrently), the index keeps it, this page is recorded as a duplicate and ``False`` is
+        returned; whichever copy is released last is the one that stays cached. A *cached* copy is
+        replaced by this live page (and freed).
         """
         if self._ref[page_id] <= 0:
             raise ValueError(f"page {page_id} is not in use; only in-use pages can be hashed")
         if len(token_ids) != self.page_size:
             raise ValueError(f"a hashed page holds {self.page_size} tokens, got {len(token_ids)}")
+        old = self._info[page_id]
+        if old is not None:
+            if old.hash == page_hash:
+                return self._index.get(page_hash) == page_id
+            raise ValueError(f"page {page_id} is already hashed as {old.hash.hex()}")
         self._info[page_id] = PageInfo(page_id, page_hash, parent_hash, tuple(token_ids))
         owner = self._index.get(page_hash)
-        if owner is not None and owner != page_id:
+        if owner is not None and self._ref[owner] == 0:
+            # A cached copy of the same page exists: the live one takes its place in the index.
+            del self._lru[owner]
+            self._info[owner] = None
+            self._free.appendleft(owner)
+        elif owner is not None:
+            self._dups.setdefault(page_hash, set()).add(page_id)
             return False
         self._index[page_hash] = page_id
         return True
@@ -270,6 +300,15 @@ class PagePool:
                     f"cached page {p} is not indexed"
             if p in free:
                 assert self._info[p] is None, f"free page {p} still has hash info"
+            inf = self._info[p]
+            if r > 0 and inf is not None:
+                assert self._index.get(inf.hash) == p or p in self._dups.get(inf.hash, ()), \
+                    f"live hashed page {p} is neither indexed nor a recorded duplicate"
+        for h, ds in self._dups.items():
+            owner = self._index.get(h)
+            assert owner is not None and self._ref[owner] > 0, f"duplicates of {h.hex()} w/o live owner"
+            for d in ds:
+                assert self._ref[d] > 0 and d != owner and self._info[d].hash == h
         for h, p in self._index.items():
             inf = self._info[p]
             assert inf is not None and inf.hash == h, f"index maps {h.hex()} to page {p} holding other"
