@@ -1,0 +1,137 @@
+"""Building blocks of Qwen3-style decoders, shared by the target model and the DFlash drafter.
+
+All modules take packed token-major tensors (``[T, ...]``, no batch dim): a step's tokens of every
+sequence are concatenated, as the paged-attention kernels expect. Parameter names follow the
+Hugging Face Qwen3 checkpoints (``q_proj``, ``q_norm``, ``gate_proj`` ...), so a state dict loads
+with no renaming.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 and cast back to ``x.dtype`` before the
+    weight multiply (the Hugging Face order, so outputs match bit-for-bit in fp32).
+
+    x: ``[..., dim]``; weight: ``[dim]``. Returns ``x``'s shape, ``weight``'s dtype promotion.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """``y = weight * x / sqrt(mean(x^2) + eps)``; x: ``[..., dim]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> tuple[Tensor, float]:
+    """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin amplitude factor."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(scaling["factor"]), 1.0
+    raise ValueError(f"rope_scaling type {kind!r} is not supported; kvstrata supports "
+                     "'default' and 'linear'")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half convention of Hugging Face Llama/Qwen).
+
+    ``cos_sin(positions)``: positions ``[T]`` int64 -> ``(cos, sin)``, each ``[T, head_dim]``
+    float32. Pass them to :func:`apply_rotary`, once per step for every layer.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 1e6, scaling: Mapping | None = None):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        inv, self.attention_scaling = _inv_freq(head_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x: [T, heads, head_dim]`` by ``cos, sin: [T, head_dim]``; returns x's dtype."""
+    c = cos.to(x.dtype)[:, None, :]
+    s = sin.to(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * c + rot * s
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class AttentionProjections(nn.Module):
+    """Qwen3 attention projections with per-head q/k RMSNorm (no attention math inside).
+
+    - ``project_q(x, cos, sin)``: x ``[T, hidden]`` -> q ``[T, num_heads, head_dim]`` (q_norm, RoPE)
+    - ``project_kv(x, cos, sin)``: x ``[T, hidden_kv_in]`` -> k, v ``[T, num_kv_heads, head_dim]``
+      (k_norm and RoPE on k only)
+    - ``project_out(o)``: o ``[T, num_heads, head_dim]`` -> ``[T, hidden]``
+
+    ``kv_input_size`` lets a drafter project K/V from a different width than the queries.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float = 1e-6, bias: bool = False, kv_input_size: int | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads}")
+        kv_in = hidden_size if kv_input_size is None else kv_input_size
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(kv_in, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(kv_in, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
+        return apply_rotary(q, cos, sin)
+
+    def project_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        t = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, cos, sin), v
+
+    def project_out(self, o: Tensor) -> Tensor:
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+
+
+__all__ = ["AttentionProjections", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary",
+           "rms_norm"]

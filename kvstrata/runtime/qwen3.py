@@ -1,0 +1,297 @@
+"""The Qwen3 target model, attending over the page pool's ``target`` group.
+
+Packed, batch-free forward: a step's tokens of all sequences are concatenated (``[T]``), their K/V
+are written to ``slot_mapping`` of the pool tensor and attention reads the pages through
+:func:`kvstrata.kernels.paged_attention` with the step's :class:`AttentionMetadata` (planned once,
+used by every layer). One forward serves prefill chunks, decode and speculative verify.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..dtypes import canonical_dtype, dtype_name
+from ..kernels.attention import AttentionMetadata, paged_attention
+from ..kernels.kv_write import write_kv
+from ..pagepool.spec import KVGroupSpec
+from .layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from .loader import CheckpointError, load_safetensors_dir, read_config
+
+_ARCHS = ("Qwen3ForCausalLM", "Qwen3Model")
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The fields of a Hugging Face Qwen3 ``config.json`` the model needs (validated)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    rope_scaling: Mapping[str, Any] | None = None
+    attention_bias: bool = False
+    #: per-layer window (tokens) or None; from ``use_sliding_window``/``layer_types``.
+    sliding_windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Qwen3Config.{f} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 16 or self.head_dim > 256:
+            raise ValueError(f"head_dim={self.head_dim}: the attention kernels take multiples of "
+                             "16 up to 256")
+        try:
+            object.__setattr__(self, "torch_dtype", dtype_name(canonical_dtype(self.torch_dtype)))
+        except ValueError as e:
+            raise ValueError(f"Qwen3Config.torch_dtype: {e}") from None
+        if self.sliding_windows is not None and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Qwen3Config":
+        """From a Hugging Face config dict; raises ``ValueError`` for a non-Qwen3 config."""
+        mt = d.get("model_type")
+        archs = d.get("architectures") or []
+        if mt != "qwen3" and not any(a in _ARCHS for a in archs):
+            raise CheckpointError(f"not a Qwen3 checkpoint: model_type={mt!r}, "
+                                  f"architectures={archs}; kvstrata's target model is Qwen3")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in d]
+        if missing:
+            raise CheckpointError(f"Qwen3 config lacks {missing}")
+        heads = d["num_attention_heads"]
+        layers = d["num_hidden_layers"]
+        windows = None
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            types = d.get("layer_types") or [
+                "sliding_attention" if i >= d.get("max_window_layers", layers) else
+                "full_attention" for i in range(layers)]
+            windows = tuple(d["sliding_window"] if t == "sliding_attention" else None
+                            for t in types)
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get(
+                "rope_theta", 1_000_000.0))),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            rope_scaling=_rope_scaling(d), attention_bias=bool(d.get("attention_bias", False)),
+            sliding_windows=windows)
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Qwen3Config":
+        return cls.from_dict(read_config(path))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
+
+
+def _rope_scaling(d: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    rs = d.get("rope_scaling")
+    if rs is None:  # transformers 5 moved it into rope_parameters
+        rp = d.get("rope_parameters") or {}
+        if rp.get("rope_type", "default") != "default":
+            rs = rp
+    if rs is not None and rs.get("rope_type", rs.get("type", "default")) == "default":
+        return None
+    return rs
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.self_attn = AttentionProjections(cfg.hidden_size, cfg.num_attention_heads,
+                                              cfg.num_key_value_heads, cfg.head_dim,
+                                              cfg.rms_norm_eps, bias=cfg.attention_bias)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3Model(nn.Module):
+    """Qwen3 decoder (RMSNorm, GQA with q/k-norm and RoPE, SwiGLU) over paged KV.
+
+    Parameter names are the Hugging Face ones without the ``model.`` prefix.
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (None if config.tie_word_embeddings else
+                        nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.sm_scale = config.head_dim ** -0.5
+        self._fingerprint: str | None = None
+
+    # -- loading ----------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | str = "auto") -> "Qwen3Model":
+        """Load a Hugging Face Qwen3 directory (``config.json`` + safetensors).
+
+        ``dtype="auto"`` keeps the checkpoint's ``torch_dtype``. Raises ``ValueError``
+        (:class:`CheckpointError`) for a non-Qwen3 directory, missing/unexpected/mis-shaped
+        tensors, or a dtype the kernels cannot take.
+        """
+        cfg = Qwen3Config.from_dir(path)
+        dt = canonical_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
+        weights = load_safetensors_dir(path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.load_weights(weights, device=device, dtype=dt)
+        return model
+
+    def load_weights(self, weights: Mapping[str, Tensor], device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.bfloat16) -> None:
+        """Assign checkpoint tensors (HF names, ``model.`` prefix optional) to the parameters."""
+        names = {n if not n.startswith("model.") else n[len("model."):]: n for n in weights}
+        own = dict(self.named_parameters())
+        if self.lm_head is None:
+            names.pop("lm_head.weight", None)  # tied: some exports still ship a copy
+        missing = sorted(set(own) - set(names))
+        unexpected = sorted(n for n in set(names) - set(own) if "rotary_emb" not in n)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint does not match the Qwen3 config: missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}")
+        state = {}
+        for n, p in own.items():
+            t = weights[names[n]]
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"tensor {names[n]!r} has shape {list(t.shape)}; the config "
+                                      f"implies {list(p.shape)}")
+            if not t.is_floating_point():
+                raise CheckpointError(f"tensor {names[n]!r} has non-float dtype {t.dtype}")
+            state[n] = t.to(device=device, dtype=dtype)
+        self.load_state_dict(state, strict=True, assign=True)
+        self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope_theta,
+                                      self.config.rope_scaling).to(device)
+        self._fingerprint = None
+
+    # -- identity / KV layout ---------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def kv_spec(self, name: str = "target", codec: str = "nvfp4") -> KVGroupSpec:
+        """The pool group this model's K/V lives in (all layers, the model's dtype)."""
+        wins = {w for w in (self.config.sliding_windows or ()) if w is not None}
+        full = self.config.sliding_windows is None or None in self.config.sliding_windows
+        return KVGroupSpec(name, self.config.num_hidden_layers, self.config.num_key_value_heads,
+                           self.config.head_dim, self.dtype, codec,
+                           sliding_window=None if full or len(wins) != 1 else wins.pop())
+
+    def fingerprint(self) -> str:
+        """Hex BLAKE2b-128 of the config and every weight's name, dtype, shape and bytes.
+
+        Computed once (it reads every weight; seconds for a multi-GB model) and cached until
+        :meth:`load_weights` runs again.
+        """
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            h.update(self.config.to_json().encode())
+            for n, p in sorted(self.state_dict().items()):
+                t = p.detach().contiguous().cpu()
+                h.update(f"{n}|{dtype_name(t.dtype)}|{tuple(t.shape)}".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    # -- compute ----------------------------------------------------------------------------
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """``[T]`` int64 token ids -> ``[T, hidden]`` embeddings (model dtype)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                slot_mapping: Tensor, kv_cache: Tensor, *,
+                capture_layers: Sequence[int] = (), attn_impl: str = "auto"
+                ) -> tuple[Tensor, list[Tensor]]:
+        """One packed step through every decoder layer.
+
+        Args:
+            input_ids, positions: ``[T]`` int64, packed like ``meta.query_start_loc``.
+            meta: causal :class:`AttentionMetadata` whose ``seq_lens`` include these tokens.
+            slot_mapping: ``[T]`` int64 pool slots for these tokens' K/V.
+            kv_cache: the ``target`` group tensor ``[num_pages, num_layers, 2, num_kv_heads,
+                page_size, head_dim]`` in the model dtype.
+            capture_layers: decoder layer ids whose outputs to return (HF ``hidden_states[l+1]``;
+                for the last layer HF returns it after the final norm, kvstrata before).
+
+        Returns:
+            ``(hidden [T, hidden] after the final norm, [captured [T, hidden] per layer id])``.
+        """
+        cfg = self.config
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be [T], got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        want = (cfg.num_hidden_layers, 2, cfg.num_key_value_heads)
+        if kv_cache.dim() != 6 or tuple(kv_cache.shape[1:4]) != want or (
+                kv_cache.shape[5] != cfg.head_dim):
+            raise ValueError(f"kv_cache must be [num_pages, {want[0]}, 2, {want[2]}, page_size, "
+                             f"{cfg.head_dim}], got {tuple(kv_cache.shape)}")
+        if kv_cache.dtype != self.dtype:
+            raise ValueError(f"kv_cache dtype {kv_cache.dtype} != model dtype {self.dtype}")
+        bad = [l for l in capture_layers if not 0 <= l < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"capture_layers {bad} outside [0, {cfg.num_hidden_layers})")
+        cos, sin = self.rotary.cos_sin(positions)
+        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
+        captured: list[Tensor | None] = [None] * len(capture_layers)
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q = attn.project_q(x, cos, sin)
+            k, v = attn.project_kv(x, cos, sin)
+            write_kv(kv_cache, i, k, v, slot_mapping, impl=attn_impl)
+            o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                sliding_window=windows[i], impl=attn_impl)
+            h = h + attn.project_out(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            for j, l in enumerate(capture_layers):
+                if l == i:
+                    captured[j] = h
+        return self.norm(h), captured  # type: ignore[return-value]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[T, hidden]`` -> ``[T, vocab]`` float32 (tied or untied head)."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+
+__all__ = ["Qwen3Config", "Qwen3DecoderLayer", "Qwen3Model"]
