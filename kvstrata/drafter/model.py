@@ -1,0 +1,225 @@
+"""The DFlash block drafter: context K/V writer + block forward, over pluggable attention.
+
+The drafter has no embedding and no LM head: it borrows the target's. Per step it sees
+
+- *context*: for every committed token, ``c = hidden_norm(fc(concat(target taps)))`` projected per
+  draft layer into ``k_norm(k_proj(c))`` (RoPE at the token's absolute position) and ``v_proj(c)``.
+  :meth:`DFlashDrafter.write_context` writes these into the ``draft`` group of the token's page, so
+  they are cached, reused and moved with the target K/V of the same tokens.
+- *block*: ``[last verified token, MASK x (B-1)]`` embedded by the target; its own K/V is scratch.
+
+Attention is a callable ``attn(layer, q, k, v) -> o`` so the paged backend
+(:class:`PagedDraftAttention`, the default) and the arena baseline (:mod:`.arena`) share one forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from ..dtypes import canonical_dtype
+from ..kernels.attention import paged_attention, plan_attention
+from ..kernels.kv_write import write_kv
+from ..pagepool.spec import KVGroupSpec
+from .config import DFlashConfig
+from .nn import RMSNorm, SwiGLU, apply_rope, load_safetensors_dir, rope_cos_sin
+
+#: attn(layer, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D]
+DraftAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class _Attn(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        H, D, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(H, cfg.num_attention_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, cfg.num_key_value_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, cfg.num_key_value_heads * D, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = _Attn(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter (parameter names follow the z-lab checkpoints, so they load unchanged)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size,
+                            bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sm_scale = cfg.head_dim ** -0.5
+        self._fingerprint = "unloaded"
+
+    # -- loading -------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, device: torch.device | str = "cpu",
+                        dtype: torch.dtype | str = "auto") -> "DFlashDrafter":
+        """Load a z-lab layout checkpoint; ``dtype="auto"`` keeps the checkpoint's dtype."""
+        cfg = DFlashConfig.from_dir(path)
+        state = load_safetensors_dir(path)
+        if any(k.startswith("candidate_selector.") or "_conv." in k for k in state):
+            raise ValueError(f"{os.fspath(path)!r} is a DFlash2 checkpoint (candidate selector / "
+                             "dynamic convolutions); only DFlash (v1) drafters are supported")
+        if dtype == "auto":
+            dt = cfg.dtype or next(iter(state.values())).dtype
+        else:
+            dt = dtype
+        dt = canonical_dtype(dt)
+        model = cls(cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint {os.fspath(path)!r} does not match its config: "
+                             f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
+        model.to(device=device, dtype=dt).eval()
+        model.requires_grad_(False)
+        model._fingerprint = _fingerprint(cfg, state)
+        return model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def kv_spec(self, name: str = "draft", codec: str = "lossless") -> KVGroupSpec:
+        """The ``draft`` layer group: one page slot per token per draft layer."""
+        c = self.cfg
+        return KVGroupSpec(name, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
+                           self.dtype, codec, sliding_window=c.all_sliding)
+
+    # -- context ---------------------------------------------------------------------------------
+    def context_kv(self, taps: Tensor, positions: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        """Per draft layer ``(k, v)``, each ``[T, Hkv, D]``, of committed tokens.
+
+        taps: ``[T, len(target_layer_ids) * hidden]`` (target layer outputs, concatenated in
+        ``target_layer_ids`` order); positions: ``[T]`` absolute positions (int64).
+        """
+        c = self.cfg
+        feat = self.hidden_norm(self.fc(taps.to(self.dtype)))
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, feat.dtype)
+        T = feat.shape[0]
+        for layer in self.layers:
+            a = layer.self_attn
+            k = a.k_norm(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim))
+            yield apply_rope(k, cos, sin), a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
+
+    def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
+                      kv_cache: Tensor, impl: str = "auto") -> None:
+        """Write the context K/V of committed tokens into the draft group ``kv_cache``
+        (``[num_pages, num_layers, 2, Hkv, page_size, D]``) at ``slot_mapping [T] int64``."""
+        for i, (k, v) in enumerate(self.context_kv(taps, positions)):
+            write_kv(kv_cache, i, k, v, slot_mapping, impl=impl)
+
+    # -- block -----------------------------------------------------------------------------------
+    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttention) -> Tensor:
+        """Run packed draft blocks.
+
+        noise: ``[Tq, hidden]`` target embeddings of the blocks (times ``input_embedding_scale``);
+        positions: ``[Tq]`` absolute positions. Returns the final-normed hidden ``[Tq, hidden]``.
+        """
+        c = self.cfg
+        x = noise.to(self.dtype)
+        T = x.shape[0]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = apply_rope(a.q_norm(a.q_proj(h).view(T, c.num_attention_heads, c.head_dim)),
+                           cos, sin)
+            k = apply_rope(a.k_norm(a.k_proj(h).view(T, c.num_key_value_heads, c.head_dim)),
+                           cos, sin)
+            v = a.v_proj(h).view(T, c.num_key_value_heads, c.head_dim)
+            x = x + a.o_proj(attn(i, q, k, v).reshape(T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def postprocess_logits(self, logits: Tensor) -> Tensor:
+        """Output multiplier and soft-capping of the reference, on the target head's logits."""
+        c = self.cfg
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
+
+
+class PagedDraftAttention:
+    """Draft-block attention over the ``draft`` group of the page pool (the default backend).
+
+    Bidirectional layers use the kernels' block mode: every committed context token (window
+    relative to the query's position) plus the whole block, whose K/V stays scratch. Causal
+    (``sliding_attention``) layers follow the reference, which is causal *inside* the block too:
+    the block's K/V goes into the sequence's own not-yet-committed slots (reserved for the verify
+    step anyway, overwritten when tokens commit, hidden by the sequence length until then) and the
+    kernels' causal mode runs over ``context + block``.
+
+    Args:
+        block_tables: ``[S, max_pages] int32``; ctx_lens: committed tokens per sequence;
+        q_lens: block length per sequence; block_slots: ``[sum(q_lens)] int64`` slots of the block
+            positions (only used by causal layers).
+    """
+
+    def __init__(self, drafter: DFlashDrafter, kv_cache: Tensor, block_tables: Tensor,
+                 ctx_lens: list[int], q_lens: list[int], block_slots: Tensor | None,
+                 page_size: int, impl: str = "auto"):
+        self.d, self.kv, self.impl = drafter, kv_cache, impl
+        self.block_slots = block_slots
+        H = drafter.cfg.num_key_value_heads
+        self.meta_block = plan_attention(block_tables, ctx_lens, q_lens, page_size=page_size,
+                                         causal=False, num_kv_heads=H)
+        self.meta_causal = None
+        if any(drafter.cfg.layer_causal):
+            if block_slots is None:
+                raise ValueError("causal draft layers need the block's slots")
+            self.meta_causal = plan_attention(block_tables, [c + q for c, q in zip(ctx_lens, q_lens)],
+                                              q_lens, page_size=page_size, causal=True,
+                                              num_kv_heads=H)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        cfg = self.d.cfg
+        w = cfg.layer_window[layer]
+        if cfg.layer_causal[layer]:
+            write_kv(self.kv, layer, k, v, self.block_slots, impl=self.impl)
+            return paged_attention(q, self.kv, layer, self.meta_causal, sm_scale=self.d.sm_scale,
+                                   sliding_window=w, impl=self.impl)
+        return paged_attention(q, self.kv, layer, self.meta_block, sm_scale=self.d.sm_scale,
+                               sliding_window=w, block_kv=(k, v), impl=self.impl)
+
+
+def _fingerprint(cfg: DFlashConfig, state: dict[str, Tensor]) -> str:
+    """Digest of the config and the weights' names, shapes, dtypes and leading/trailing bytes.
+
+    Sampling the bytes (rather than hashing gigabytes) keeps loading fast; two checkpoints that
+    differ only in the middle of every tensor are not a case worth paying for.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(repr(cfg)).encode())
+    for name in sorted(state):
+        t = state[name].contiguous().view(-1)
+        h.update(f"{name}:{tuple(state[name].shape)}:{t.dtype}".encode())
+        for part in (t[:2048], t[-2048:]):
+            h.update(part.view(torch.uint8).numpy().tobytes())
+    return "dflash-" + h.hexdigest()
