@@ -71,6 +71,9 @@ class PagePool:
         self.page_size = page_size
         self.device = torch.device(device)
         self.on_evict = on_evict
+        #: Optional ``(PageInfo) -> None`` called when a page becomes findable by its hash (its
+        #: content is final): lets a lower tier write pages through as soon as they are full.
+        self.on_hashed: Callable[[PageInfo], None] | None = None
         self.kv: dict[str, torch.Tensor] = {
             g.name: torch.empty((num_pages, *g.page_shape(page_size)), dtype=g.dtype,
                                 device=self.device)
@@ -265,6 +268,8 @@ class PagePool:
             self._dups.setdefault(page_hash, set()).add(page_id)
             return False
         self._index[page_hash] = page_id
+        if self.on_hashed is not None:
+            self.on_hashed(self._info[page_id])
         return True
 
     # -- data access ------------------------------------------------------------------------

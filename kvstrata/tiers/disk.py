@@ -1,0 +1,295 @@
+"""The disk tier: an LMDB environment in a directory, one self-describing record per page hash.
+
+Sub-databases:
+
+- ``pages``: page hash -> record (:mod:`kvstrata.tiers.record`).
+- ``index``: page hash -> ``(access seq u64, record bytes u64)``.
+- ``lru``: big-endian access seq -> page hash, so a cursor walks pages oldest-access first. The
+  order lives in the database, so a restarted process evicts in the same order.
+- ``meta``: ``seq`` (next access number) and ``bytes`` (sum of record sizes).
+
+A batch of pages is written in one transaction, so a batch is all-or-nothing: a writer killed in
+the middle of a commit leaves the previous committed state (LMDB's copy-on-write B-tree), never a
+partial page. LMDB lets any number of processes read while one writes. A write that fails (map
+full, ENOSPC, I/O error) aborts its transaction: nothing of it is visible, the error is counted and
+logged once per burst, and the caller goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+import lmdb
+
+from ..pagepool import format_bytes
+
+log = logging.getLogger(__name__)
+
+_SEQ = struct.Struct(">Q")          # big-endian so byte order == numeric order in the lru db
+_IDX = struct.Struct("<QQ")
+_U64 = struct.Struct("<Q")
+
+
+class DiskTier:
+    """LMDB page store with a byte capacity and persistent LRU order.
+
+    Args:
+        path: directory of the environment (created if missing, unless ``readonly``).
+        map_size: the LMDB map size (upper bound of the file), bytes.
+        capacity_bytes: records beyond this are evicted oldest-access first; default: half the map
+            (LMDB needs room for copy-on-write pages and its free list).
+        readonly: open for reading only (``kvstrata inspect``, other processes).
+        sync: fsync every commit (survives power loss). Off by default: a cache may lose its
+            newest pages on an OS crash, and records are checksummed, so nothing wrong is served.
+    """
+
+    def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30,
+                 capacity_bytes: int | None = None, readonly: bool = False, sync: bool = False):
+        if not isinstance(map_size, int) or map_size < (1 << 16):
+            raise ValueError(f"map_size must be at least 64 KiB, got {map_size!r}")
+        if capacity_bytes is None:
+            capacity_bytes = map_size // 2
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"disk capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        if capacity_bytes > map_size:
+            raise ValueError(f"disk capacity {format_bytes(capacity_bytes)} exceeds the LMDB map "
+                             f"size {format_bytes(map_size)}; raise map_size to at least "
+                             f"{capacity_bytes * 2} bytes (copy-on-write needs headroom)")
+        self.path = os.fspath(path)
+        self.readonly = readonly
+        if readonly and not os.path.isdir(self.path):
+            raise ValueError(f"{self.path!r} is not a kvstrata disk tier (no such directory)")
+        self.env = lmdb.open(self.path, map_size=map_size, subdir=True, readonly=readonly,
+                             max_dbs=4, max_readers=256, sync=sync, metasync=sync,
+                             readahead=False, create=not readonly, lock=True)
+        # Reader slots of processes that died (kill -9) would pin old pages forever.
+        self.env.reader_check()
+        try:
+            self._pages = self.env.open_db(b"pages", create=not readonly)
+            self._index = self.env.open_db(b"index", create=not readonly)
+            self._lru = self.env.open_db(b"lru", create=not readonly)
+            self._meta = self.env.open_db(b"meta", create=not readonly)
+        except lmdb.NotFoundError:
+            self.env.close()
+            raise ValueError(f"{self.path!r} is an LMDB environment but not a kvstrata disk tier") from None
+        self.capacity_bytes = capacity_bytes
+        self._cap = capacity_bytes            # lowered when the map turns out to be smaller
+        self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
+        self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
+                      "deleted": 0}
+        self._burst_errors = 0
+        #: test hook: called inside every write transaction before commit (fault injection)
+        self.before_commit: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        if self.env is None:
+            return
+        if not self.readonly:
+            self.flush()
+        self.env.close()
+        self.env = None
+
+    def __enter__(self) -> "DiskTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reads --------------------------------------------------------------------------------
+    @contextmanager
+    def reader(self) -> Iterator[Callable[[bytes], memoryview | None]]:
+        """One read transaction; yields ``get(hash) -> memoryview | None``. The views are valid
+        only inside the ``with`` block (they point into the map): copy what you keep."""
+        with self.env.begin(db=self._pages, buffers=True) as txn:
+            yield txn.get
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        with self.env.begin(db=self._index) as txn:
+            return [txn.get(h) is not None for h in hashes]
+
+    def prefix_count(self, hashes: Sequence[bytes]) -> int:
+        """Consecutive pages present, starting at ``hashes[0]``."""
+        n = 0
+        with self.env.begin(db=self._index) as txn:
+            for h in hashes:
+                if txn.get(h) is None:
+                    break
+                n += 1
+        return n
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Record read hits; their new access order is written with the next write batch."""
+        for h in hashes:
+            self._touched[h] = None
+
+    def keys_by_age(self) -> list[bytes]:
+        """Page hashes, least recently accessed first."""
+        with self.env.begin(db=self._lru) as txn:
+            return [bytes(v) for _, v in txn.cursor()]
+
+    def stored_bytes(self) -> int:
+        with self.env.begin(db=self._meta) as txn:
+            v = txn.get(b"bytes")
+        return _U64.unpack(v)[0] if v else 0
+
+    def __len__(self) -> int:
+        with self.env.begin() as txn:
+            return txn.stat(self._pages)["entries"]
+
+    def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """``(hash, record bytes)`` of every page, in one read snapshot."""
+        with self.env.begin(db=self._pages) as txn:
+            for k, v in txn.cursor():
+                yield bytes(k), bytes(v)
+
+    # -- writes -------------------------------------------------------------------------------
+    def put_batch(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> int:
+        """Store ``(hash, record parts)`` pairs in one transaction; returns how many were stored.
+
+        Pages already present only get their access refreshed. When the batch does not fit the
+        capacity, the oldest pages are evicted first; a batch larger than the capacity keeps its
+        leading pages. On any storage error the whole batch is dropped (0), never half-stored.
+        """
+        if self.readonly:
+            raise ValueError("this DiskTier was opened readonly")
+        try:
+            n = self._write(items)
+        except lmdb.MapFullError as e:
+            # The map holds less than the capacity says (B-tree + free-list overhead): shrink the
+            # effective capacity so the next batches evict first, free space now, retry once.
+            self._cap = max(1, int(self.stored_bytes() * 0.8))
+            try:
+                self._write([])
+                n = self._write(items)
+            except (lmdb.Error, OSError) as e2:
+                return self._failed(e2)
+            self._note_error(e)
+        except (lmdb.Error, OSError) as e:
+            return self._failed(e)
+        if self._burst_errors:
+            log.warning("disk tier %s: writes succeed again after %d failures", self.path,
+                        self._burst_errors)
+            self._burst_errors = 0
+        return n
+
+    def _failed(self, e: BaseException) -> int:
+        self._note_error(e)
+        return 0
+
+    def _note_error(self, e: BaseException) -> None:
+        self.stats["write_errors"] += 1
+        if not self._burst_errors:
+            what = "disk full" if isinstance(e, lmdb.MapFullError) or (
+                isinstance(e, OSError) and e.errno == errno.ENOSPC) else "I/O error"
+            log.warning("disk tier %s: write failed (%s: %s); pages are dropped, not stored; "
+                        "further failures are counted silently until a write succeeds",
+                        self.path, what, e)
+        self._burst_errors += 1
+
+    def _write(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> int:
+        stored = 0
+        with self.env.begin(write=True) as txn:
+            seq = _U64.unpack(txn.get(b"seq", db=self._meta) or _U64.pack(0))[0]
+            total = _U64.unpack(txn.get(b"bytes", db=self._meta) or _U64.pack(0))[0]
+            touched, self._touched = self._touched, {}
+            try:
+                for h in touched:
+                    seq = self._bump(txn, h, seq)
+                new = []
+                for h, parts in items:
+                    if txn.get(h, db=self._index) is not None:
+                        seq = self._bump(txn, h, seq)
+                    else:
+                        new.append((h, parts, sum(len(p) for p in parts)))
+                total = self._evict(txn, total, sum(n for _, _, n in new))
+                for h, parts, size in new:
+                    if total + size > self._cap:
+                        break       # does not fit even after evicting everything older
+                    value = parts[0] if len(parts) == 1 else b"".join(parts)
+                    txn.put(h, value, db=self._pages)
+                    txn.put(h, _IDX.pack(seq, size), db=self._index)
+                    txn.put(_SEQ.pack(seq), h, db=self._lru)
+                    seq += 1
+                    total += size
+                    stored += 1
+                    self.stats["write_bytes"] += size
+                txn.put(b"seq", _U64.pack(seq), db=self._meta)
+                txn.put(b"bytes", _U64.pack(total), db=self._meta)
+                if self.before_commit is not None:
+                    self.before_commit()
+            except BaseException:
+                self._touched.update(touched)   # not recorded: try again with the next write
+                raise
+        self.stats["writes"] += stored
+        return stored
+
+    def _bump(self, txn, h: bytes, seq: int) -> int:
+        v = txn.get(h, db=self._index)
+        if v is None:
+            return seq
+        old, size = _IDX.unpack(v)
+        txn.delete(_SEQ.pack(old), db=self._lru)
+        txn.put(_SEQ.pack(seq), h, db=self._lru)
+        txn.put(h, _IDX.pack(seq, size), db=self._index)
+        return seq + 1
+
+    def _evict(self, txn, total: int, need: int) -> int:
+        if total + need <= self._cap:
+            return total
+        cur = txn.cursor(db=self._lru)
+        victims = []
+        ok = cur.first()
+        while ok and total + need > self._cap:
+            h = bytes(cur.value())
+            victims.append((bytes(cur.key()), h))
+            v = txn.get(h, db=self._index)
+            total -= _IDX.unpack(v)[1] if v else 0
+            ok = cur.next()
+        for k, h in victims:
+            txn.delete(k, db=self._lru)
+            txn.delete(h, db=self._index)
+            txn.delete(h, db=self._pages)
+        self.stats["evictions"] += len(victims)
+        return total
+
+    def delete(self, hashes: Sequence[bytes]) -> int:
+        """Remove pages (found corrupt or mismatched); returns how many existed."""
+        if not hashes or self.readonly:
+            return 0
+        n = 0
+        try:
+            with self.env.begin(write=True) as txn:
+                total = _U64.unpack(txn.get(b"bytes", db=self._meta) or _U64.pack(0))[0]
+                for h in hashes:
+                    v = txn.get(h, db=self._index)
+                    if v is not None:
+                        seq, size = _IDX.unpack(v)
+                        txn.delete(_SEQ.pack(seq), db=self._lru)
+                        txn.delete(h, db=self._index)
+                        total -= size
+                        n += 1
+                    txn.delete(h, db=self._pages)   # also a record without an index entry
+                txn.put(b"bytes", _U64.pack(max(total, 0)), db=self._meta)
+        except (lmdb.Error, OSError) as e:
+            self._note_error(e)
+            return 0
+        self.stats["deleted"] += n
+        return n
+
+    def flush(self) -> None:
+        """Write pending access-order updates (called by :meth:`close`)."""
+        if self._touched and not self.readonly:
+            self.put_batch([])
+
+    def info(self) -> dict:
+        st = self.env.stat()
+        return {"path": self.path, "pages": len(self), "stored_bytes": self.stored_bytes(),
+                "capacity_bytes": self.capacity_bytes, "effective_capacity_bytes": self._cap,
+                "map_size": self.env.info()["map_size"], "page_size_lmdb": st["psize"],
+                "opened": time.time()}

@@ -1,0 +1,194 @@
+"""The host tier: fixed page slots in one host buffer (pinned when CUDA is present), LRU.
+
+The buffer is allocated once, ``[num_slots, slot_bytes]`` uint8, and slots are reused: a slot
+holds every group's *encoded* payload of one page at fixed offsets (the largest payload each
+group's codec can produce), so the host never allocates per page and a D2H copy lands directly in
+its final place. Entries become visible only when the copy that fills them has completed
+(:meth:`HostTier.settle`), and the tier never touches a slot's bytes itself: the
+:class:`~kvstrata.tiers.manager.TierManager` decides what is copied where and when.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..codecs import Codec, EncodedPage
+from ..pagepool import KVGroupSpec, PageInfo, format_bytes
+
+
+@dataclass(slots=True)
+class HostEntry:
+    """One page in the host tier: which slot, and each group's codec header (payload lives in the
+    slot, ``sizes[i]`` bytes at ``HostTier.offsets[i]``)."""
+
+    info: PageInfo
+    ns: bytes
+    slot: int
+    headers: list[EncodedPage]      # payload fields are empty placeholders; bytes are in the slot
+    sizes: list[int]
+    on_disk: bool = False           # a copy is (believed to be) on the disk tier already
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+
+def slot_layout(specs: Sequence[KVGroupSpec], codecs: Sequence[Codec], page_size: int
+                ) -> tuple[list[int], list[int], int]:
+    """``(offsets, max_sizes, slot_bytes)``: each group's payload offset and bound in a slot.
+
+    Offsets are 256-byte aligned so that every group's payload can be viewed as any dtype and
+    DMA'd at full speed.
+    """
+    offsets, sizes, off = [], [], 0
+    for spec, codec in zip(specs, codecs):
+        n = codec.encoded_nbytes(spec, page_size)
+        n = spec.bytes_per_page(page_size) if n is None else int(n)
+        offsets.append(off)
+        sizes.append(n)
+        off += -(-n // 256) * 256
+    return offsets, sizes, off
+
+
+class HostTier:
+    """Host page slots with a byte capacity and LRU eviction.
+
+    Args:
+        specs, codecs, page_size: the pool's groups and the codec of each (they fix the slot layout).
+        capacity_bytes: host memory for slots; ``capacity_bytes // slot_bytes`` slots are allocated.
+        pin: allocate page-locked memory (needed for async DMA; only when CUDA is available).
+    """
+
+    def __init__(self, specs: Sequence[KVGroupSpec], codecs: Sequence[Codec], page_size: int,
+                 capacity_bytes: int, pin: bool = False):
+        self.offsets, self.max_sizes, self.slot_bytes = slot_layout(specs, codecs, page_size)
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(f"host capacity must be a non-negative number of bytes, "
+                             f"got {capacity_bytes!r}")
+        self.num_slots = capacity_bytes // self.slot_bytes
+        if capacity_bytes and not self.num_slots:
+            raise ValueError(
+                f"a host capacity of {format_bytes(capacity_bytes)} does not hold one page slot of "
+                f"{format_bytes(self.slot_bytes)}; use at least {self.slot_bytes} bytes, or 0 to "
+                f"disable the host tier")
+        self.buf = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8,
+                               pin_memory=pin and self.num_slots > 0)
+        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
+        self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()   # LRU: oldest first
+        self._pending: list[tuple[Any, list[HostEntry]]] = []           # (event, entries)
+        self._pending_hashes: set[bytes] = set()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, page_hash: bytes) -> bool:
+        return page_hash in self._entries
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values())
+
+    def has(self, page_hash: bytes) -> bool:
+        """Visible, or written and waiting for its copy to complete."""
+        return page_hash in self._entries or page_hash in self._pending_hashes
+
+    def get(self, page_hash: bytes) -> HostEntry | None:
+        """The visible entry for ``page_hash`` (no LRU update)."""
+        return self._entries.get(page_hash)
+
+    def touch(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            if h in self._entries:
+                self._entries.move_to_end(h)
+
+    def lru(self) -> list[bytes]:
+        """Visible page hashes, next to be evicted first."""
+        return list(self._entries)
+
+    def payload(self, entry: HostEntry, group: int) -> torch.Tensor:
+        """The 1-D uint8 view of ``entry``'s payload for group index ``group`` in its slot."""
+        off = self.offsets[group]
+        return self.buf[entry.slot, off:off + entry.sizes[group]]
+
+    def group_region(self, slot: int, group: int) -> torch.Tensor:
+        off = self.offsets[group]
+        return self.buf[slot, off:off + self.max_sizes[group]]
+
+    # -- slots --------------------------------------------------------------------------------
+    def take_slots(self, n: int, keep: frozenset[bytes] = frozenset()
+                   ) -> tuple[list[int], list[HostEntry]]:
+        """Up to ``n`` slots: free ones first, then the LRU entries' (never those in ``keep``).
+
+        Returns ``(slots, victims)``. Victims are no longer visible, but their bytes are intact
+        until the caller overwrites the slots: write them to the next tier first.
+        """
+        slots: list[int] = []
+        while self._free and len(slots) < n:
+            slots.append(self._free.pop())
+        victims: list[HostEntry] = []
+        if len(slots) < n:
+            for h in list(self._entries):
+                if len(slots) >= n:
+                    break
+                if h in keep:
+                    continue
+                e = self._entries.pop(h)
+                victims.append(e)
+                slots.append(e.slot)
+        return slots, victims
+
+    def give_back(self, slots: Iterable[int]) -> None:
+        """Return slots that were taken but not filled (a failed copy)."""
+        self._free.extend(slots)
+
+    def add(self, entries: Sequence[HostEntry], event: Any = None) -> None:
+        """Make ``entries`` visible once ``event`` (a CUDA event, or ``None``: already done) has
+        completed; a page is never visible before its bytes are."""
+        if event is None:
+            self._publish(entries)
+        else:
+            self._pending.append((event, list(entries)))
+            self._pending_hashes.update(e.info.hash for e in entries)
+
+    def settle(self, block: bool = True) -> None:
+        """Publish entries whose copies completed (all of them, waiting, with ``block``)."""
+        still = []
+        for ev, entries in self._pending:
+            if block:
+                ev.synchronize()
+            if block or ev.query():
+                self._publish(entries)
+            else:
+                still.append((ev, entries))
+        self._pending = still
+
+    def _publish(self, entries: Sequence[HostEntry]) -> None:
+        for e in entries:
+            self._pending_hashes.discard(e.info.hash)
+            old = self._entries.pop(e.info.hash, None)
+            if old is not None and old.slot != e.slot:
+                self._free.append(old.slot)
+            self._entries[e.info.hash] = e
+
+    def discard(self, hashes: Iterable[bytes]) -> int:
+        """Drop entries (e.g. found corrupt); their slots become free. Returns how many."""
+        n = 0
+        for h in hashes:
+            e = self._entries.pop(h, None)
+            if e is not None:
+                self._free.append(e.slot)
+                n += 1
+        return n
+
+    def clear(self) -> None:
+        self.settle()
+        self.discard(list(self._entries))

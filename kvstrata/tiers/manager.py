@@ -1,0 +1,318 @@
+"""TierManager: demotes evicted pages device -> host -> disk and promotes prefix hits back.
+
+Wiring::
+
+    pool = PagePool(groups, num_pages, page_size, device)
+    tiers = TierManager(pool, namespace, host_bytes=8 << 30,
+                        disk=DiskTier("/var/cache/kvstrata", map_size=64 << 30))
+    mgr = KVCacheManager(pool, namespace, lower=tiers)   # admit() promotes from the tiers
+
+The constructor sets ``pool.on_evict`` (and, with ``write_through=True``, ``pool.on_hashed``).
+
+Records carry the digest of the *unsalted* namespace (models, groups, page size, layout): a page's
+salt is already bound by its chain hash (the key), so a reader checks the unsalted digest, the hash
+link ``H(parent || tokens)`` and the token ids.
+
+The host tier is inclusive: a page promoted from disk keeps its host copy, and a page demoted
+again that is still on the host costs nothing. Pages go to disk when the host evicts them
+(write-back, default) or as soon as they are hashed (``write_through=True``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..codecs import CorruptPageError, EncodedPage, get_codec
+from ..pagepool import Namespace, PageInfo, PagePool
+from .disk import DiskTier
+from .host import HostEntry, HostTier, slot_layout
+from .record import RecordMismatch, build_record, verify_record
+from .transfer import Mover
+
+log = logging.getLogger(__name__)
+
+_COUNTERS = ("host_hits", "host_misses", "disk_hits", "disk_misses",
+             "d2h_pages", "d2h_bytes", "h2d_pages", "h2d_bytes",
+             "host_to_disk_pages", "host_to_disk_bytes", "disk_to_host_pages", "disk_to_host_bytes",
+             "checksum_failures", "mismatches", "host_evictions", "dropped_pages")
+
+
+class TierManager:
+    """The tiers below the device pool; a :class:`~kvstrata.pagepool.PrefixSource`.
+
+    Args:
+        pool: the device :class:`PagePool` (its groups fix codecs and the slot layout).
+        namespace: the base namespace (its unsalted digest goes into every record).
+        host_bytes: host tier capacity (at least one page slot).
+        disk: an open :class:`DiskTier`, or ``None`` for host only.
+        write_through: also write a page to host and disk as soon as it is hashed.
+        batch_pages: pages per copy batch (the staging buffers hold this many).
+    """
+
+    def __init__(self, pool: PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
+                 disk: DiskTier | None = None, write_through: bool = False,
+                 batch_pages: int = 64, attach: bool = True):
+        if namespace.page_size != pool.page_size:
+            raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
+                             f"{pool.page_size}")
+        if not isinstance(batch_pages, int) or batch_pages <= 0:
+            raise ValueError(f"batch_pages must be a positive integer, got {batch_pages!r}")
+        self.pool = pool
+        self.namespace = namespace.with_salt(None)
+        self.ns_digest = self.namespace.digest
+        self.specs = list(pool.groups)
+        self.names = [g.name for g in self.specs]
+        self.codecs = [get_codec(g.codec) for g in self.specs]
+        pin = pool.device.type == "cuda" and torch.cuda.is_available()
+        self.host = HostTier(self.specs, self.codecs, pool.page_size, host_bytes, pin=pin)
+        if self.host.num_slots == 0:
+            raise ValueError("the tier stack needs a host tier of at least one page slot "
+                             f"({self.host.slot_bytes} bytes): it stages every transfer")
+        self.batch = min(batch_pages, self.host.num_slots)
+        self.mover = Mover(pool, self.host, self.codecs, self.batch)
+        self.disk = disk
+        self.write_through = write_through
+        self._wt_queue: list[PageInfo] = []
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        if attach:
+            self.attach()
+
+    @staticmethod
+    def slot_bytes_for(pool: PagePool) -> int:
+        """Host bytes one page takes (every group's largest encoded payload, aligned): size
+        ``host_bytes`` as a multiple of this."""
+        codecs = [get_codec(g.codec) for g in pool.groups]
+        return slot_layout(pool.groups, codecs, pool.page_size)[2]
+
+    def attach(self) -> None:
+        """Install this manager as the pool's eviction (and write-through) callback."""
+        self.pool.on_evict = self.on_evict
+        if self.write_through:
+            if not hasattr(self.pool, "on_hashed"):
+                raise ValueError("write_through needs a PagePool with the on_hashed hook")
+            self.pool.on_hashed = self.on_hashed
+
+    # -- demotion ---------------------------------------------------------------------------------
+    def on_evict(self, infos: list[PageInfo]) -> None:
+        """Pool callback: copy evicted cached pages (content intact during the call) down."""
+        self._flush_write_through()
+        self._demote(infos)
+
+    def on_hashed(self, info: PageInfo) -> None:
+        """Pool callback (write-through): queue a freshly hashed page; written in batches."""
+        self._wt_queue.append(info)
+        if len(self._wt_queue) >= self.batch:
+            self._flush_write_through()
+
+    def flush(self) -> None:
+        """Finish queued write-through pages and pending copies; persist disk access order."""
+        self._flush_write_through()
+        self.host.settle()
+        if self.disk is not None:
+            self.disk.flush()
+
+    def _flush_write_through(self) -> None:
+        if not self._wt_queue:
+            return
+        # A queued page is still in the pool and indexed: it can only leave through on_evict,
+        # which flushes this queue first, so its content is intact here.
+        q, self._wt_queue = self._wt_queue, []
+        q = [i for i in q if self.pool.lookup(i.hash) == i.page_id]
+        self._demote(q)
+        self.host.settle()
+        if self.disk is not None:
+            entries = [self.host.get(i.hash) for i in q]
+            self._to_disk([e for e in entries if e is not None and not e.on_disk])
+
+    def _demote(self, infos: Sequence[PageInfo]) -> None:
+        self.host.settle(block=False)
+        todo, seen = [], set()
+        for i in infos:
+            if self.host.has(i.hash) or i.hash in seen:
+                continue
+            seen.add(i.hash)
+            todo.append(i)
+        self.host.touch([i.hash for i in infos])
+        for k in range(0, len(todo), self.batch):
+            chunk = todo[k:k + self.batch]
+            slots, victims = self.host.take_slots(len(chunk))
+            self._spill(victims)
+            entries, ev = self.mover.down(self.ns_digest, chunk, slots)
+            self.host.add(entries, ev)
+            self.counters["d2h_pages"] += len(entries)
+            self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
+
+    def _spill(self, victims: list[HostEntry]) -> None:
+        """Host evictions: write the ones the disk lacks (write-back), then the slots are free."""
+        self.counters["host_evictions"] += len(victims)
+        if not victims:
+            return
+        if self.disk is None:
+            self.counters["dropped_pages"] += len(victims)
+            return
+        have = self.disk.contains([v.info.hash for v in victims])
+        self._to_disk([v for v, h in zip(victims, have) if not h])
+
+    def _to_disk(self, entries: Sequence[HostEntry]) -> None:
+        if not entries:
+            return
+        items = []
+        for e in entries:
+            payloads = [self.host.payload(e, gi).numpy().data for gi in range(len(self.specs))]
+            items.append((e.info.hash, build_record(e.ns, e.info, self.names, e.headers, payloads)))
+        n = self.disk.put_batch(items)
+        self.counters["dropped_pages"] += len(items) - n
+        stored = items[:n]
+        self.counters["host_to_disk_pages"] += len(stored)
+        self.counters["host_to_disk_bytes"] += sum(sum(len(p) for p in parts) for _, parts in stored)
+        for e in entries[:n]:
+            e.on_disk = True
+
+    # -- promotion ----------------------------------------------------------------------------------
+    def _check_ns(self, namespace: Namespace) -> None:
+        diffs = namespace.compatible(self.namespace)
+        if diffs:
+            raise ValueError(f"namespace differs from the tier manager's: {'; '.join(diffs)}")
+
+    def lookup_prefix(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
+        """Consecutive pages from ``hashes[0]`` found in the host or disk tier (one pass)."""
+        self._check_ns(namespace)
+        self._flush_write_through()
+        self.host.settle()
+        n = 0
+        rest: list[bytes] = []
+        for i, h in enumerate(hashes):
+            if self.host.get(h) is None:
+                rest = list(hashes[i:])
+                break
+            n += 1
+        self.counters["host_hits"] += n
+        if not rest:
+            return n
+        self.counters["host_misses"] += 1
+        if self.disk is None:
+            return n
+        # Past the host's run, later pages may sit on either tier: check both, page by page.
+        on_disk = self.disk.contains(rest)
+        for h, d in zip(rest, on_disk):
+            if d:
+                self.counters["disk_hits"] += 1
+            elif self.host.get(h) is not None:
+                self.counters["host_hits"] += 1
+            else:
+                self.counters["disk_misses"] += 1
+                break
+            n += 1
+        return n
+
+    def load_prefix(self, namespace: Namespace, pages: Sequence[PageInfo],
+                    page_ids: Sequence[int]) -> int:
+        """Decode ``pages`` into device pages ``page_ids``; returns the verified leading count."""
+        self._check_ns(namespace)
+        if len(pages) != len(page_ids):
+            raise ValueError(f"load_prefix got {len(pages)} pages and {len(page_ids)} page ids")
+        self.host.settle()
+        done = 0
+        for k in range(0, len(pages), self.batch):
+            chunk = list(pages[k:k + self.batch])
+            entries = self._stage(chunk)
+            if entries:
+                self.mover.up(entries, page_ids[k:k + len(entries)])
+                self.counters["h2d_pages"] += len(entries)
+                self.counters["h2d_bytes"] += sum(e.nbytes for e in entries)
+            done += len(entries)
+            if len(entries) < len(chunk):
+                break
+        return done
+
+    def _stage(self, chunk: list[PageInfo]) -> list[HostEntry]:
+        """Host entries for the leading pages of ``chunk``, reading the missing ones from disk."""
+        keep = frozenset(i.hash for i in chunk)
+        entries: list[HostEntry | None] = []
+        for info in chunk:
+            e = self.host.get(info.hash)
+            entries.append(e if e is not None and e.info.token_ids == tuple(info.token_ids)
+                           and e.ns == self.ns_digest else None)
+        missing = [j for j, e in enumerate(entries) if e is None]
+        if missing and self.disk is not None:
+            got = self._from_disk([chunk[j] for j in missing], keep)
+            for j, e in zip(missing, got):
+                entries[j] = e
+        out = []
+        for e in entries:
+            if e is None:
+                break
+            out.append(e)
+        self.host.touch(e.info.hash for e in out)
+        return out
+
+    def _from_disk(self, infos: list[PageInfo], keep: frozenset[bytes]) -> list[HostEntry | None]:
+        """Read, verify and copy records into host slots. Stops at the first miss or bad record."""
+        slots, victims = self.host.take_slots(len(infos), keep)
+        self._spill(victims)
+        self.mover.fence_host_writes()
+        out: list[HostEntry | None] = []
+        bad: list[bytes] = []
+        with self.disk.reader() as get:
+            for info, slot in zip(infos, slots):
+                buf = get(info.hash)
+                if buf is None:
+                    break
+                try:
+                    rec = verify_record(buf, self.ns_digest, info, self.specs, self.codecs,
+                                        self.pool.page_size)
+                except CorruptPageError as e:
+                    key = "mismatches" if isinstance(e, RecordMismatch) else "checksum_failures"
+                    self.counters[key] += 1
+                    log.warning("disk tier: page %s is unusable (%s); deleted", info.hash.hex(), e)
+                    bad.append(info.hash)
+                    break
+                headers, sizes = [], []
+                for gi, (g, p) in enumerate(zip(rec.header["groups"], rec.payloads)):
+                    off = self.host.offsets[gi]
+                    np.copyto(self.host.buf[slot, off:off + len(p)].numpy(),
+                              np.frombuffer(p, dtype=np.uint8))
+                    headers.append(EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]),
+                                               g["dtype"], torch.empty(0, dtype=torch.uint8),
+                                               g["checksum"], dict(g["meta"] or {})))
+                    sizes.append(len(p))
+                out.append(HostEntry(info, self.ns_digest, slot, headers, sizes, on_disk=True))
+        self.host.give_back(slots[len(out):])
+        self.host.add([e for e in out if e is not None])
+        if bad:
+            self.disk.delete(bad)
+        self.disk.touch([e.info.hash for e in out])
+        self.counters["disk_to_host_pages"] += len(out)
+        self.counters["disk_to_host_bytes"] += sum(e.nbytes for e in out)
+        return out + [None] * (len(infos) - len(out))
+
+    # -- reporting --------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters per tier and direction, codec time, disk errors and evictions."""
+        out = dict(self.counters)
+        out.update(self.mover.collect_timings())
+        out["host_pages"] = len(self.host)
+        out["host_bytes"] = self.host.stored_bytes
+        out["host_capacity_bytes"] = self.host.capacity_bytes
+        if self.disk is not None:
+            d = self.disk.stats
+            out.update({"disk_pages": len(self.disk), "disk_bytes": self.disk.stored_bytes(),
+                        "disk_evictions": d["evictions"], "disk_write_errors": d["write_errors"],
+                        "disk_deleted": d["deleted"]})
+        return out
+
+    def close(self) -> None:
+        """Flush and close the disk tier (host contents are lost with the process)."""
+        self.flush()
+        if self.disk is not None:
+            self.disk.close()
+
+    def __repr__(self) -> str:
+        disk = os.fspath(self.disk.path) if self.disk is not None else None
+        return (f"TierManager(host={len(self.host)}/{self.host.num_slots} slots, disk={disk!r}, "
+                f"write_through={self.write_through})")
