@@ -1,0 +1,135 @@
+"""NVFP4 kernels: Triton (through the interpreter) against the torch reference, and the element /
+scale rounding against independent oracles (ml_dtypes' float4_e2m1fn, torch's float8_e4m3fn)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstrata.kernels.nvfp4 import (E2M1_GRID, e2m1_code, e2m1_value, e4m3_round, e4m3_value,
+                                    nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
+                                    nvfp4_encode_ref, nvfp4_layout)
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _pages(shape, dtype, seed, kind="gauss"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "wide":  # many binades, incl. values that land in E4M3 subnormal scales
+        x = x * torch.exp2(torch.randint(-20, 12, shape, generator=g).float())
+    elif kind == "outlier":
+        x[..., 0, :, :] *= 3000.0  # one token (row) per page, every layer
+    return x.to(dtype)
+
+
+def _both(x, ids=None, block_r=4):
+    a, fa = nvfp4_encode_ref(x, ids)
+    b, fb = nvfp4_encode(x, ids, block_r=block_r, num_warps=1)
+    return a, b, fa, fb
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier"])
+def test_triton_matches_reference_bit_for_bit(dtype, kind):
+    # head_dim 48 is not a power of two (masked columns); 3*5=15 rows is not a multiple of block_r
+    x = _pages((2, 2, 2, 3, 5, 48), dtype, seed=10 * DTYPES.index(dtype) + len(kind), kind=kind)
+    x[1, 1, 0] = 0  # an all-zero slab
+    x[0, 0, 1, 1, 2, 16:32] = 0  # an all-zero block
+    a, b, fa, fb = _both(x)
+    assert torch.equal(a, b)
+    assert fa.all() and fb.all()
+    o_ref, o_tri = torch.empty_like(x), torch.empty_like(x)
+    nvfp4_decode_ref(a, o_ref)
+    nvfp4_decode(a, o_tri, block_r=4, num_warps=1)
+    assert torch.equal(o_ref.view(torch.uint8), o_tri.view(torch.uint8))
+    assert torch.isfinite(o_ref).all()
+    assert (o_ref[1, 1, 0] == 0).all() and (o_ref[0, 0, 1, 1, 2, 16:32] == 0).all()
+
+
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES), layers=st.integers(1, 2),
+       heads=st.integers(1, 3), psize=st.sampled_from([1, 2, 4]), dblocks=st.integers(1, 3),
+       kind=st.sampled_from(["gauss", "wide"]))
+def test_triton_matches_reference_property(seed, dtype, layers, heads, psize, dblocks, kind):
+    x = _pages((2, layers, 2, heads, psize, 16 * dblocks), dtype, seed, kind)
+    a, b, _, _ = _both(x, block_r=2)
+    assert torch.equal(a, b)
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    assert torch.equal(nvfp4_decode_ref(a, o1).view(torch.uint8),
+                       nvfp4_decode(a, o2, block_r=2, num_warps=1).view(torch.uint8))
+
+
+def test_page_ids_gather_and_scatter_match_dense():
+    pool = _pages((6, 1, 2, 2, 4, 32), torch.bfloat16, seed=3)
+    ids = torch.tensor([4, 0, 5])
+    dense, _ = nvfp4_encode_ref(pool[ids])
+    for fn in (nvfp4_encode_ref, lambda p, i: nvfp4_encode(p, i, block_r=4, num_warps=1)):
+        got, _ = fn(pool, ids)
+        assert torch.equal(got, dense)
+    for fn in (nvfp4_decode_ref, lambda p, o, i: nvfp4_decode(p, o, i, block_r=4, num_warps=1)):
+        out = torch.full_like(pool, 7.0)
+        fn(dense, out, ids)
+        assert (out[[1, 2, 3]] == 7.0).all()  # untouched pages stay untouched
+        ref = nvfp4_decode_ref(dense, torch.empty_like(pool[:3]))
+        assert torch.equal(out[ids], ref)
+
+
+def test_nonfinite_pages_are_flagged():
+    x = _pages((3, 1, 2, 1, 2, 16), torch.float32, seed=1)
+    x[1, 0, 1, 0, 1, 3] = float("nan")
+    x[2, 0, 0, 0, 0, 0] = float("-inf")
+    for fn in (nvfp4_encode_ref, lambda p: nvfp4_encode(p, block_r=2, num_warps=1)):
+        _, finite = fn(x)
+        assert finite.tolist() == [True, False, False]
+
+
+def test_layout_and_bad_shapes():
+    assert nvfp4_layout(72, 128, 128) == (0, 288, 288 + 589824, 288 + 589824 + 73728)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 1, 24))
+    with pytest.raises(ValueError, match="head_dim"):
+        nvfp4_encode_ref(torch.zeros(1, 2, 1, 1, 16))
+    with pytest.raises(ValueError, match="bfloat16/float16/float32"):
+        nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 1, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 16, 2).transpose(-1, -2))
+    payload, _ = nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 1, 16))
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4_decode_ref(payload[:, :-1], torch.zeros(1, 1, 2, 1, 1, 16))
+
+
+def test_e2m1_grid_matches_ml_dtypes_on_every_rounding():
+    # Every fp32 in [0, 8) on a 2**-12 lattice (hits every tie exactly) plus 1-ulp neighbours of
+    # each midpoint and values far above the top of the grid.
+    lattice = np.arange(0, 8 * 4096, dtype=np.float32) / 4096
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], dtype=np.float32)
+    near = np.concatenate([np.nextafter(mids, 0), mids, np.nextafter(mids, 100)])
+    big = np.array([6.5, 7.0, 1e3, 3.4e38], dtype=np.float32)
+    y = np.concatenate([lattice, near, big]).astype(np.float32)
+    ours = e2m1_value(e2m1_code(torch.from_numpy(y))).numpy()
+    oracle = y.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    np.testing.assert_array_equal(ours, oracle)
+    assert sorted(set(ours.tolist())) == list(E2M1_GRID)
+
+
+def test_e4m3_round_matches_torch_float8():
+    # every bf16 bit pattern in [0, 448] (all E4M3 ties included), plus fp32 neighbours
+    b = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    b = b[b <= 448.0]
+    v = torch.cat([b, torch.nextafter(b, torch.tensor(0.0)), torch.nextafter(b, torch.tensor(1e9))])
+    v = v[(v >= 0) & (v <= 448.0)].contiguous()
+    q, code = e4m3_round(v)
+    oracle = v.to(torch.float8_e4m3fn)
+    assert torch.equal(q, oracle.float())
+    assert torch.equal(code, oracle.view(torch.uint8).to(torch.int32))
+    assert torch.equal(e4m3_value(code), q)
+
+
+def test_e4m3_ties_to_even():
+    v = torch.tensor([1.0625, 1.1875, 1.5 * 2**-9, 2.5 * 2**-9, 0.5 * 2**-9, 7.5 * 2**-9, 440.0])
+    q, code = e4m3_round(v)
+    assert q.tolist() == [1.0, 1.25, 2 * 2**-9, 2 * 2**-9, 0.0, 8 * 2**-9, 448.0]
+    assert code.tolist() == [0x38, 0x3A, 0x02, 0x02, 0x00, 0x08, 0x7E]
