@@ -1,0 +1,8 @@
+"""Disaggregated serving: a context worker hands its pages, draft KV included, to a generation
+worker through ``torch.distributed`` (Gloo on the CPU, NCCL between GPUs)."""
+
+from .transport import (NamespaceMismatchError, PageChannel, TransferError, TransferStats,
+                        handshake, recv_sequence, send_sequence)
+
+__all__ = ["NamespaceMismatchError", "PageChannel", "TransferError", "TransferStats", "handshake",
+           "recv_sequence", "send_sequence"]

@@ -1,0 +1,174 @@
+"""Page handoff between two processes over Gloo: bit-exact pages of both groups, prefix negotiation,
+namespace refusal, and a sender killed midway leaving the receiver consistent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+
+P = 4
+TOKENS = [int(x) for x in torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(1))]
+
+
+def _groups():
+    from kvstrata.pagepool import KVGroupSpec
+    return [KVGroupSpec("target", 2, 2, 16, torch.bfloat16, "nvfp4"),
+            KVGroupSpec("draft", 1, 2, 16, torch.bfloat16, "lossless")]
+
+
+def _make(drafter="d1", pages=16):
+    from kvstrata.pagepool import KVCacheManager, Namespace, PagePool
+    g = _groups()
+    pool = PagePool(g, pages, P)
+    return pool, KVCacheManager(pool, Namespace("t1", g, P, drafter=drafter))
+
+
+def _fill(mgr, sid, tokens, seed):
+    """Admit + write random (never zero) K/V for every group + commit.
+
+    A page's content is a function of the tokens up to its end (as real K/V is), so two workers that
+    computed the same prefix hold the same bytes."""
+    seq = mgr.admit(sid, tokens, max_cached_tokens=len(tokens))
+    mgr.reserve(sid, len(tokens))
+    for i, p in enumerate(mgr.seqs[sid].page_ids):
+        if mgr.pool.info(p) is not None:   # a prefix hit: already holds this content
+            continue
+        key = hash((seed, tuple(tokens[:(i + 1) * P]))) & 0x7FFFFFFF
+        gen = torch.Generator().manual_seed(key)
+        for t in mgr.pool.kv.values():
+            t[p] = torch.randn(t.shape[1:], generator=gen).to(t.dtype) + 3
+    mgr.commit(sid, tokens[seq.num_tokens:])
+
+
+def _page_bytes(mgr, sid, n_tokens):
+    n_pages = -(-n_tokens // P)
+    pages = mgr.seqs[sid].page_ids[:n_pages]
+    out = {}
+    for name, t in mgr.pool.kv.items():
+        x = t[pages].clone()
+        x[-1, :, :, :, (n_tokens - 1) % P + 1:, :] = 0   # slots past the length carry no data
+        out[name] = x.view(torch.int16).numpy().copy()   # plain arrays: they outlive the process
+    return out
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(rank, port, scenario, q):
+    import torch.distributed as dist
+
+    from kvstrata.runtime.disagg import (NamespaceMismatchError, PageChannel, TransferError,
+                                         handshake, recv_sequence, send_sequence)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2)
+        ch = PageChannel(1 - rank)
+        if rank == 0:  # context worker
+            pool, mgr = _make(drafter="none" if scenario == "mismatch" else "d1")
+            try:
+                handshake(ch, mgr.namespace, "context")
+            except NamespaceMismatchError as e:
+                q.put(("ctx-refused", str(e)))
+                return
+            _fill(mgr, "r", TOKENS, seed=7)
+            sent = _page_bytes(mgr, "r", len(TOKENS))
+            if scenario == "kill":
+                ch.send_obj({"seq_id": "r", "token_ids": TOKENS, "cache_salt": None,
+                             "num_pages": 6, "hashes": mgr.seqs["r"].hashes, "extra": {}})
+                ch.recv_obj()
+                ch.send_obj({"checksums": {}})
+                os._exit(9)    # die in the middle of the payload
+            stats = send_sequence(ch, mgr, "r", extra={"first_token": 42})
+            q.put(("ctx", sent, stats.pages_sent, stats.pages_skipped))
+        else:  # generation worker
+            pool, mgr = _make()
+            if scenario == "prefix":
+                _fill(mgr, "mine", TOKENS[:9], seed=7)   # holds 2 full pages of the same prefix
+                mgr.free("mine")
+            free_before = pool.num_free + pool.num_cached
+            try:
+                handshake(ch, mgr.namespace, "generation")
+            except NamespaceMismatchError as e:
+                q.put(("gen-refused", str(e)))
+                return
+            try:
+                seq, extra, stats = recv_sequence(ch, mgr)
+            except TransferError as e:
+                pool.check_invariants()
+                q.put(("gen-failed", str(e), pool.num_free + pool.num_cached == free_before,
+                       pool.num_in_use, len(mgr.seqs)))
+                return
+            pool.check_invariants()
+            got = _page_bytes(mgr, seq.seq_id, len(TOKENS))
+            findable = all(pool.lookup(h) is not None for h in seq.hashes)
+            q.put(("gen", got, extra, seq.token_ids == TOKENS, findable, stats.pages_skipped))
+    except Exception:  # noqa: BLE001
+        q.put(("error", rank, traceback.format_exc()))
+    finally:
+        if scenario != "kill" or rank == 1:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _scenario(name):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run, args=(r, port, name, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(2 if name != "kill" else 1):
+        item = q.get(timeout=120)
+        if item[0] == "error":
+            for p in procs:
+                p.kill()
+            pytest.fail(f"rank {item[1]} failed:\n{item[2]}")
+        results[item[0]] = item
+    for p in procs:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+    return results
+
+
+def test_handoff_is_bit_exact_for_both_groups():
+    r = _scenario("plain")
+    _, sent, n_sent, n_skipped = r["ctx"]
+    _, got, extra, tokens_ok, findable, _ = r["gen"]
+    assert (n_sent, n_skipped) == (6, 0) and tokens_ok and findable
+    assert extra == {"first_token": 42}
+    for name in ("target", "draft"):
+        assert got[name].shape == sent[name].shape and (got[name] == sent[name]).all(), name
+
+
+def test_prefix_pages_the_receiver_holds_are_not_sent():
+    r = _scenario("prefix")
+    assert r["ctx"][2:] == (4, 2)         # 6 pages: 2 already there, 4 sent
+    _, sent, _, _ = r["ctx"]
+    _, got, _, tokens_ok, findable, skipped = r["gen"]
+    assert skipped == 2 and tokens_ok and findable
+    for name in ("target", "draft"):
+        assert got[name].shape == sent[name].shape and (got[name] == sent[name]).all(), name
+
+
+def test_namespace_mismatch_is_refused_naming_the_drafter():
+    r = _scenario("mismatch")
+    for key in ("ctx-refused", "gen-refused"):
+        assert "drafter" in r[key][1] and "no drafter" in r[key][1]
+
+
+def test_killed_sender_leaves_receiver_consistent():
+    r = _scenario("kill")
+    _, msg, restored, in_use, n_seqs = r["gen-failed"]
+    assert restored and in_use == 0 and n_seqs == 0, msg
