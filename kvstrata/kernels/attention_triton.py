@@ -1,0 +1,263 @@
+"""Triton paged attention (decode, chunked prefill, verify, DFlash block mode) with split-KV.
+
+Grid ``(num_seqs * num_q_blocks, num_kv_heads, num_splits)``. A program owns one KV head of one
+sequence and serves *all* its GQA query heads and (up to ``BLOCK_Q``) query tokens at once: its
+``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows are (token, head) pairs, so each KV tile is read once and
+multiplied against every query row that needs it. Decode and verify (<= 16 tokens with GQA 4) fit
+one query block, so every KV page of a sequence is read once per KV head. Long prefill chunks
+take several query blocks.
+
+Split-KV (flash-decoding): when few programs would run (few sequences, long contexts), the plan
+cuts the KV range into ``num_splits`` pieces of ``tokens_per_split`` tokens; each piece writes a
+normalised partial output and its log-sum-exp, and :func:`_reduce_splits_kernel` merges them.
+The split factor comes from host ints at plan time, never from a device->host sync.
+
+Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
+                         UPCAST: tl.constexpr):
+    """One flash-attention update: q [M, D], k [D, N], v [N, D], visible [M, N] bool."""
+    if UPCAST:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr,
+        layer, qk_scale, window, tokens_per_split, num_q_blocks,
+        s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
+        s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
+        s_pos, s_pot, s_poh, s_pls, s_plt,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        UPCAST: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq = pid // num_q_blocks
+    qblk = pid % num_q_blocks
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if qblk * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = qblk * BLOCK_Q + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_ok = (t < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + t).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if CAUSAL:
+        pos = seq_len - q_len + t
+        first_pos = seq_len - q_len + qblk * BLOCK_Q
+    else:
+        pos = seq_len + t
+        first_pos = seq_len + qblk * BLOCK_Q
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    if CAUSAL:
+        last_t = tl.minimum(q_len, (qblk + 1) * BLOCK_Q) - 1
+        hi = tl.minimum(hi, seq_len - q_len + last_t + 1)
+    if HAS_WINDOW:
+        # BLOCK_N divides tokens_per_split, so the aligned start never crosses into the previous
+        # split (which would count those keys twice).
+        lo = tl.maximum(lo, (first_pos - window + 1) // BLOCK_N * BLOCK_N)
+    kv_base = kv_ptr + layer.to(tl.int64) * s_layer + kvh * s_head
+    bt_row = bt_ptr + seq.to(tl.int64) * s_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = (offs_n < hi) & (offs_n >= 0)
+        page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        tok_off = page * s_page + (offs_n % PAGE_SIZE).to(tl.int64) * s_tok
+        k = tl.load(kv_base + tok_off[None, :] + d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(kv_base + s_kv + tok_off[:, None] + d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        visible = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE,
+                                             UPCAST)
+
+    if HAS_BLOCK:
+        if split == 0:
+            # The draft block's own K/V (scratch, packed like q): visible to every block query.
+            for bstart in range(0, q_len, BLOCK_N):
+                offs_b = bstart + tl.arange(0, BLOCK_N)
+                b_ok = offs_b < q_len
+                b_rows = (q_start + offs_b).to(tl.int64)
+                k = tl.load(bk_ptr + b_rows[None, :] * s_bkt + kvh * s_bkh + d[:, None],
+                            mask=b_ok[None, :] & d_ok[:, None], other=0.0)
+                v = tl.load(bv_ptr + b_rows[:, None] * s_bvt + kvh * s_bvh + d[None, :],
+                            mask=b_ok[:, None] & d_ok[None, :], other=0.0)
+                visible = b_ok[None, :] & row_ok[:, None]
+                m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc,
+                                                     qk_scale, IEEE, UPCAST)
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        sp = split.to(tl.int64)
+        tl.store(part_o_ptr + sp * s_pos + q_rows[:, None] * s_pot + head[:, None] * s_poh
+                 + d[None, :], o, mask=st_mask)
+        tl.store(part_lse_ptr + sp * s_pls + q_rows * s_plt + head, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
+                          s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SPLITS_PAD: tl.constexpr):
+    """Merge split partials: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + sp.to(tl.int64) * s_pls + t * s_plt + h, mask=sp_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(part_o_ptr + sp.to(tl.int64)[:, None] * s_pos + t * s_pot + h * s_poh
+                + d[None, :], mask=sp_ok[:, None] & d_ok[None, :] & (w[:, None] > 0), other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out_ptr + t * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
+    """Tile sizes: ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill)."""
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
+    block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
+                num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2)
+
+
+def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
+                           sm_scale: float, sliding_window: int | None = None,
+                           block_kv: tuple[Tensor, Tensor] | None = None,
+                           out: Tensor | None = None) -> Tensor:
+    """Triton path of :func:`kvstrata.kernels.attention.paged_attention` (validated there).
+
+    q: ``[T, Hq, D]``; kv_cache: ``[num_pages, num_layers, 2, Hkv, page_size, D]`` (contiguous
+    in ``D``); returns ``[T, Hq, D]`` in ``q.dtype``.
+    """
+    if kv_cache.stride(5) != 1 or q.stride(2) != 1:
+        raise ValueError("paged attention needs q and kv_cache contiguous in head_dim")
+    T, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or meta.num_seqs == 0:
+        return out
+    cfg = kernel_config(group, d, meta.max_query_len)
+    num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
+    splits = meta.num_splits
+    if meta.tokens_per_split % cfg["BLOCK_N"]:
+        raise ValueError(f"tokens_per_split={meta.tokens_per_split} must be a multiple of "
+                         f"{cfg['BLOCK_N']}; build the metadata with plan_attention")
+    if splits > 1:
+        part_o = torch.empty((splits, T, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, T, hq), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused (SPLIT=False)
+    if block_kv is not None:
+        bk, bv = block_kv
+        if bk.stride(2) != 1 or bv.stride(2) != 1:
+            raise ValueError("block_kv tensors must be contiguous in head_dim")
+    else:
+        bk = bv = q  # unused (HAS_BLOCK=False)
+    grid = (meta.num_seqs * num_q_blocks, hkv, splits)
+    # Triton 3.9's interpreter computes bf16 tl.dot wrongly (numpy has no bf16): on the CPU
+    # interpreter only, bf16 tiles are multiplied in fp32.
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    _paged_attention_kernel[grid](
+        q, kv_cache, bk, bv, out, part_o, part_lse,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        layer, sm_scale * _LOG2E, sliding_window or 0, max(meta.tokens_per_split, 1),
+        num_q_blocks,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), kv_cache.stride(4),
+        bk.stride(0), bk.stride(1), bv.stride(0), bv.stride(1), out.stride(0), out.stride(1),
+        meta.block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=cfg["GROUP_PAD"], BLOCK_Q=cfg["BLOCK_Q"], HEAD_DIM=d,
+        BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=kv_cache.shape[4],
+        CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
+        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _reduce_splits_kernel[(T, hq)](
+            part_o, part_lse, out, splits,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            num_warps=4)
+    return out
+
+
+__all__ = ["kernel_config", "paged_attention_triton"]
