@@ -111,3 +111,27 @@ def test_property_triton_equals_reference(lens, group, window, block, splits, se
     case = make_case(seq_lens, q_lens, hkv=2, group=group, head_dim=32, page_size=8,
                      block=block, num_splits=splits, seed=seed)
     _check(case, window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [False, True])
+def test_cuda_compiled_kernel_matches_reference(dtype, block):
+    """The compiled kernel on a GPU (run by benchmarks/gpu_run.sh), split and unsplit."""
+    for splits in (1, 4):
+        c = make_case([300, 1, 77], [1, 1, 16] if not block else [4, 4, 16], hkv=8, group=4,
+                      head_dim=128, dtype=dtype, block=block, num_splits=splits, seed=splits)
+        q, kv = c.q.cuda(), c.kv_cache.cuda()
+        sl, ql = c.meta.host_lens()
+        meta = plan_attention(c.meta.block_tables, sl, ql, page_size=16, causal=not block,
+                              num_splits=splits, device="cuda")
+        bkv = None if c.block_kv is None else (c.block_kv[0].cuda(), c.block_kv[1].cuda())
+        for window in (None, 50):
+            got = paged_attention(q, kv, c.layer, meta, sm_scale=0.1, sliding_window=window,
+                                  block_kv=bkv, impl="triton")
+            want = paged_attention_ref(c.q, c.kv_cache, c.layer, c.meta, sm_scale=0.1,
+                                       sliding_window=window, block_kv=c.block_kv)
+            torch.testing.assert_close(got.cpu().float(), want.float(),
+                                       **(tol(dtype) if dtype != torch.float32
+                                          else dict(atol=1e-4, rtol=1e-4)))
