@@ -95,7 +95,8 @@ def _as_host_list(x, what: str) -> list[int] | None:
     try:
         return [int(v) for v in x]
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a 1-D tensor or a sequence of ints, got {type(x)}") from None
+        raise ValueError(
+            f"{what} must be a 1-D tensor or a sequence of ints, got {type(x)}") from None
 
 
 def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
