@@ -20,6 +20,9 @@ def _pages(shape, dtype, seed, kind="gauss"):
     x = torch.randn(shape, generator=g)
     if kind == "wide":  # many binades, incl. values that land in E4M3 subnormal scales
         x = x * torch.exp2(torch.randint(-20, 12, shape, generator=g).float())
+    elif kind == "tiny":  # fp32/bf16 subnormals and slabs below MIN_GLOBAL_SCALE
+        x = x * torch.exp2(torch.randint(-140, -100, shape, generator=g).float())
+        x[0] *= 2.0**90  # page 0: normal slab scales with subnormal elements in them
     elif kind == "outlier":
         x[..., 0, :, :] *= 3000.0  # one token (row) per page, every layer
     return x.to(dtype)
@@ -32,10 +35,12 @@ def _both(x, ids=None, block_r=4):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier"])
+@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier", "tiny"])
 def test_triton_matches_reference_bit_for_bit(dtype, kind):
     # head_dim 48 is not a power of two (masked columns); 3*5=15 rows is not a multiple of block_r
     x = _pages((2, 2, 2, 3, 5, 48), dtype, seed=10 * DTYPES.index(dtype) + len(kind), kind=kind)
+    if kind == "tiny" and dtype == torch.float16:
+        return  # fp16 has no such values
     x[1, 1, 0] = 0  # an all-zero slab
     x[0, 0, 1, 1, 2, 16:32] = 0  # an all-zero block
     a, b, fa, fb = _both(x)
@@ -77,13 +82,24 @@ def test_page_ids_gather_and_scatter_match_dense():
         assert torch.equal(out[ids], ref)
 
 
-def test_nonfinite_pages_are_flagged():
-    x = _pages((3, 1, 2, 1, 2, 16), torch.float32, seed=1)
+def test_nonfinite_and_huge_pages_are_flagged():
+    x = _pages((4, 1, 2, 1, 2, 16), torch.float32, seed=1)
     x[1, 0, 1, 0, 1, 3] = float("nan")
     x[2, 0, 0, 0, 0, 0] = float("-inf")
+    x[3, 0, 0, 0, 0, 1] = 2.0**127  # MAX_AMAX: decode could overflow fp32
+    x[0, 0, 0, 0, 0, 1] = 2.0**126
     for fn in (nvfp4_encode_ref, lambda p: nvfp4_encode(p, block_r=2, num_warps=1)):
-        _, finite = fn(x)
-        assert finite.tolist() == [True, False, False]
+        _, ok = fn(x)
+        assert ok.tolist() == [True, False, False, False]
+
+
+def test_tiny_slabs_store_zeros():
+    x = torch.full((1, 1, 2, 1, 1, 16), 2.0**-110)  # amax / 2688 < 2**-115
+    x[0, 0, 1] = 2.0**-100  # the V slab's scale 2**-100 / 2688 is kept
+    payload, _ = nvfp4_encode_ref(x)
+    out = nvfp4_decode_ref(payload, torch.empty_like(x))
+    assert (out[0, 0, 0] == 0).all()
+    assert torch.allclose(out[0, 0, 1], x[0, 0, 1], rtol=2**-4)
 
 
 def test_layout_and_bad_shapes():
