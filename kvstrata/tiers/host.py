@@ -146,6 +146,13 @@ class HostTier:
                 slots.append(e.slot)
         return slots, victims
 
+    def evict_all(self) -> list[HostEntry]:
+        """Remove every visible entry (LRU first); as with :meth:`take_slots`, the bytes stay
+        intact until the caller returns the slots with :meth:`give_back`."""
+        victims = list(self._entries.values())
+        self._entries.clear()
+        return victims
+
     def give_back(self, slots: Iterable[int]) -> None:
         """Return slots that were taken but not filled (a failed copy)."""
         self._free.extend(slots)

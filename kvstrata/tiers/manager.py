@@ -147,6 +147,16 @@ class TierManager:
             self.counters["d2h_pages"] += len(entries)
             self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
 
+    def drain_host(self) -> int:
+        """Write every host page the disk lacks to disk and empty the host tier (shutdown, or to
+        make a restart find everything). Returns how many host pages were drained."""
+        self._flush_write_through()
+        self.host.settle()
+        victims = self.host.evict_all()
+        self._spill(victims)
+        self.host.give_back(v.slot for v in victims)
+        return len(victims)
+
     def _spill(self, victims: list[HostEntry]) -> None:
         """Host evictions: write the ones the disk lacks (write-back), then the slots are free."""
         self.counters["host_evictions"] += len(victims)
@@ -307,9 +317,10 @@ class TierManager:
         return out
 
     def close(self) -> None:
-        """Flush and close the disk tier (host contents are lost with the process)."""
-        self.flush()
+        """Write host pages back to disk (write-back would lose them otherwise), then close it."""
         if self.disk is not None:
+            self.drain_host()
+            self.flush()
             self.disk.close()
 
     def __repr__(self) -> str:

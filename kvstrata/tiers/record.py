@@ -59,7 +59,8 @@ class Record:
         """One :class:`EncodedPage` per group (payloads still alias the source buffer)."""
         out = []
         for g, p in zip(self.header["groups"], self.payloads):
-            t = torch.frombuffer(p, dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
+            # A copy: the source buffer may be read-only (an LMDB map) or short-lived.
+            t = torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
             out.append(EncodedPage(codec=g["codec"], version=int(g["version"]),
                                    shape=tuple(int(s) for s in g["shape"]), dtype=g["dtype"],
                                    payload=t, checksum=g["checksum"], meta=dict(g["meta"] or {})))
