@@ -1,1 +1,8 @@
-"""kvstrata.runtime"""
+"""kvstrata.runtime: the speculative-decoding engine (``LLM``) and its target model."""
+
+from .config import CacheConfig
+from .engine import LLM
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+__all__ = ["CacheConfig", "LLM", "RequestOutput", "SamplingParams"]
