@@ -42,6 +42,22 @@ class Timer:
         self.flush = (torch.empty(256 << 20, dtype=torch.uint8, device=device)
                       if device.type == "cuda" else None)
 
+    def graph(self, fn) -> float:
+        """Median time of ``fn`` replayed from a CUDA graph: kernel time without the Python launch
+        overhead (what an engine that captures its decode step sees)."""
+        if self.flush is None:
+            return self(fn)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return self(g.replay)
+
     def __call__(self, fn) -> float:
         fn()  # warm-up (and Triton compile)
         times = []
@@ -93,15 +109,33 @@ def bench_case(timer: Timer, device: torch.device, batch: int, ctx: int, verify_
     out_p = run_paged()
     out_s = run_sdpa()[:, :, 0]
     err = (out_p.float() - out_s.float()).abs().max().item()
-    t_paged = timer(run_paged)
-    t_sdpa = timer(run_sdpa)
+    t_eager = timer(run_paged)
+    t_paged = timer.graph(run_paged)
+    t_sdpa = timer.graph(run_sdpa)
     qv = torch.randn(batch * verify_q, HQ, D, dtype=torch.bfloat16, device=device, generator=gen)
     meta_v = plan_attention(bt, [ctx] * batch, [verify_q] * batch, page_size=PAGE,
                             num_kv_heads=HKV)
-    t_verify = timer(lambda: paged_attention(qv, kv, 0, meta_v, sm_scale=scale))
+    t_verify = timer.graph(lambda: paged_attention(qv, kv, 0, meta_v, sm_scale=scale))
+    sweep = {}
+    if SWEEP and device.type == "cuda" and (batch, ctx) in SWEEP_CASES:
+        from kvstrata.kernels.attention_triton import paged_attention_triton
+        for cfg in SWEEP_CONFIGS:
+            for name, m, qq in (("decode", meta, q), ("verify", meta_v, qv)):
+                try:
+                    sweep[(name, tuple(sorted(cfg.items())))] = timer.graph(
+                        lambda: paged_attention_triton(qq, kv, 0, m, sm_scale=scale, config=cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile
+                    print(f"sweep {name} {cfg}: {type(e).__name__}", file=sys.stderr)
     kv_bytes = 2 * batch * ctx * HKV * D * 2
     return dict(batch=batch, ctx=ctx, splits=meta.num_splits, splits_v=meta_v.num_splits,
-                kv_bytes=kv_bytes, paged_ms=t_paged, sdpa_ms=t_sdpa, verify_ms=t_verify, err=err)
+                kv_bytes=kv_bytes, paged_ms=t_paged, sdpa_ms=t_sdpa, verify_ms=t_verify, err=err,
+                eager_ms=t_eager, sweep=sweep)
+
+
+SWEEP = False
+SWEEP_CASES = {(32, 8192), (128, 8192), (8, 32768)}
+SWEEP_CONFIGS = [dict(BLOCK_N=n, num_stages=st, num_warps=w)
+                 for n in (32, 64, 128) for st in (2, 3, 4) for w in (4, 8)]
 
 
 def render(rows: list[dict], ceiling: float, device: torch.device, reps: int) -> str:
@@ -119,9 +153,12 @@ def render(rows: list[dict], ceiling: float, device: torch.device, reps: int) ->
         "`scaled_dot_product_attention(enable_gqa=True)` on the same KV stored contiguously. "
         "GB/s counts the K and V bytes each attention reads once.",
         "",
+        "Times are kernel times from CUDA-graph replay (both paged and SDPA), so Python launch "
+        "overhead is excluded on both sides; `eager us` is the paged call launched from Python.",
+        "",
         "| batch | context | splits | KV MiB | paged us | GB/s | % ceiling | SDPA us | paged/SDPA "
-        "| goal | verify-16 us | verify/decode | max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| goal | verify-16 us | verify/decode | max abs diff | eager us |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         gbs = r["kv_bytes"] / (r["paged_ms"] * 1e-3) / 1e9
@@ -137,7 +174,16 @@ def render(rows: list[dict], ceiling: float, device: torch.device, reps: int) ->
             f"| {r['batch']} | {r['ctx']} | {r['splits']} | {r['kv_bytes'] / 2**20:.0f} "
             f"| {r['paged_ms'] * 1e3:.1f} | {gbs:.0f} | {100 * gbs / ceiling:.0f}% "
             f"| {r['sdpa_ms'] * 1e3:.1f} | {ratio:.2f} | {goal} | {r['verify_ms'] * 1e3:.1f} "
-            f"| {vr:.2f} {'(<=1.2 met)' if vr <= 1.2 else '(<=1.2 MISSED)'} | {r['err']:.1e} |")
+            f"| {vr:.2f} {'(<=1.2 met)' if vr <= 1.2 else '(<=1.2 MISSED)'} | {r['err']:.1e} "
+            f"| {r['eager_ms'] * 1e3:.1f} |")
+    sweeps = [r for r in rows if r["sweep"]]
+    if sweeps:
+        lines += ["", "Config sweep (graph-replay us; best first):", ""]
+        for r in sweeps:
+            for mode in ("decode", "verify"):
+                items = sorted((t, cfg) for (m, cfg), t in r["sweep"].items() if m == mode)
+                top = ", ".join(f"{dict(c)}: {t * 1e3:.1f}" for t, c in items[:4])
+                lines.append(f"- batch {r['batch']} ctx {r['ctx']} {mode}: {top}")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +193,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--max-gib", type=float, default=40.0, help="skip combos needing more")
+    ap.add_argument("--sweep", action="store_true", help="also sweep kernel configs")
     args = ap.parse_args(argv)
+    global SWEEP
+    SWEEP = args.sweep
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -197,7 +197,7 @@ def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
 def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None = None,
                            block_kv: tuple[Tensor, Tensor] | None = None,
-                           out: Tensor | None = None) -> Tensor:
+                           out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """Triton path of :func:`kvstrata.kernels.attention.paged_attention` (validated there).
 
     q: ``[T, Hq, D]``; kv_cache: ``[num_pages, num_layers, 2, Hkv, page_size, D]`` (contiguous
@@ -213,6 +213,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     if T == 0 or meta.num_seqs == 0:
         return out
     cfg = kernel_config(group, d, meta.max_query_len)
+    if config:
+        cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep)
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
     splits = meta.num_splits
     if meta.tokens_per_split % cfg["BLOCK_N"]:

@@ -60,12 +60,13 @@ def test_block_mode(window, splits):
 
 
 def test_split_choice_is_host_only_and_sane():
-    assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 33
+    assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 64   # ~4 waves, capped
     assert choose_num_splits(1, 1024, num_kv_heads=8, num_sms=132) == 2
     assert choose_num_splits(128, 32768, num_kv_heads=8, num_sms=132) == 1
+    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132) == 3    # 256 programs: 2 uneven waves
     bt = torch.zeros(1, 2048, dtype=torch.int32)
     meta = plan_attention(bt, [32768], [1], page_size=16, num_sms=132, num_kv_heads=8)
-    assert meta.num_splits == 33 and meta.tokens_per_split % 64 == 0
+    assert meta.num_splits == 64 and meta.tokens_per_split % 64 == 0
     assert meta.num_splits * meta.tokens_per_split >= 32768
     meta = plan_attention(bt, torch.tensor([100], dtype=torch.int32), [1], page_size=16)
     assert meta.max_seq_len == 100 and meta.seq_lens_host == [100] and meta.num_splits == 1
