@@ -18,7 +18,7 @@ def test_reports_for_each_codec():
     assert not fp4.bit_exact and 3.5 < fp4.ratio < 3.56 and 0.03 < fp4.rel_rmse < 0.105
     assert fp4.options == "backend=torch" and fp4.num_pages == 1
     row = fp4.markdown_row()
-    assert row.startswith("| nvfp4 | backend=torch | bfloat16 | 1 | 3.5") and row.count("|") == 10
+    assert row.startswith("| nvfp4 | backend=torch | bfloat16 | 1 | 3.5") and row.count("|") == 12
     assert CompressionReport.MARKDOWN_HEADER.count("\n") == 1
     assert fp4.as_dict()["ratio"] == fp4.ratio
 

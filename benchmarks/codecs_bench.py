@@ -1,0 +1,185 @@
+"""Codec benchmark: NVFP4 encode/decode bandwidth on the GPU, lossless ratio and speed per CPU core.
+
+    python benchmarks/codecs_bench.py --device cuda --out docs/bench/codecs_gpu.md   # H200, ~2 min
+    python benchmarks/codecs_bench.py --device cpu --out /tmp/codecs_cpu.md          # smoke + CPU
+
+GPU part: ~1 GiB of bf16 pages shaped like Qwen3-8B's target group (36 layers, 8 KV heads,
+head_dim 128, page 16). Every NVFP4 kernel config of a small sweep is timed with CUDA events
+(median of ``--repeat`` runs; the 1 GiB working set is ~20x the L2, so every run reads HBM) and
+reported as GB/s of bytes read + written and as a fraction of a device-to-device copy of the same
+pages measured in the same run. The Triton output is checked bit for bit against the torch
+reference on a slice of the pages. On ``--device cpu`` the same code runs at tiny sizes with the
+torch reference (and the Triton kernels too when ``TRITON_INTERPRET=1``): a smoke test only.
+
+CPU part (both devices): the lossless codec on one thread (``torch.set_num_threads(1)``) over bf16
+pages, Gaussian and key-like (per-channel scales, outlier channels), per zstd setting: ratio,
+compress and decompress GB/s of raw page bytes (checksums included), best of 5, per second
+of wall time and per second of the thread's CPU time (robust on a shared machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from kvstrata.codecs import CompressionReport, compression_report, synthetic_kv
+from kvstrata.kernels.nvfp4 import (nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
+                                    nvfp4_encode_ref, nvfp4_layout)
+
+GIB = 1 << 30
+
+
+def time_ms(fn, device: torch.device, repeat: int) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU, perf_counter on the CPU)."""
+    fn()  # warm-up (and compile)
+    ts = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[str]:
+    cuda = device.type == "cuda"
+    if cuda:
+        L, H, P, D = 36, 8, 16, 128
+    else:
+        L, H, P, D = 2, 2, 16, 64
+    page_bytes = L * 2 * H * P * D * 2
+    n = max(2, target_bytes // page_bytes)
+    # Content does not change the kernels' memory traffic: Gaussian pages made on the device.
+    gen = torch.Generator(device=device).manual_seed(0)
+    pages = torch.randn(n, L, 2, H, P, D, device=device, generator=gen).to(torch.bfloat16)
+    enc_bytes = nvfp4_layout(2 * L, H * P, D)[3]
+    raw, packed = n * page_bytes, n * enc_bytes
+    use_triton = cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+    dst = torch.empty_like(pages)
+    copy_ms = time_ms(lambda: dst.copy_(pages), device, repeat)
+    ceiling = 2 * raw / copy_ms / 1e6  # GB/s, read + write
+
+    rows = []
+
+    def row(op, impl, cfg, ms, nbytes):
+        gbps = nbytes / ms / 1e6
+        rows.append(f"| {op} | {impl} | {cfg} | {ms:.3f} | {gbps:.3g} | {100 * gbps / ceiling:.3g}% |")
+
+    row("d2d copy (ceiling)", "torch", "-", copy_ms, 2 * raw)
+    if use_triton:
+        sweep = [(br, nw) for br in (8, 16, 32, 64) for nw in (4, 8)] if cuda else [(16, 4)]
+        out = torch.empty_like(pages)
+        payload, _ = nvfp4_encode(pages)
+        for br, nw in sweep:
+            ms = time_ms(lambda: nvfp4_encode(pages, block_r=br, num_warps=nw), device, repeat)
+            row("encode", "triton", f"block_r={br} warps={nw}", ms, raw + packed)
+        for br, nw in sweep:
+            ms = time_ms(lambda: nvfp4_decode(payload, out, block_r=br, num_warps=nw), device,
+                         repeat)
+            row("decode", "triton", f"block_r={br} warps={nw}", ms, packed + raw)
+        # the tiers' path: encode half the pages of a pool in place (page_ids, no gather)
+        ids = torch.randperm(n, device=device)[: n // 2]
+        ms = time_ms(lambda: nvfp4_encode(pages, ids), device, repeat)
+        row("encode pool[page_ids] (n/2)", "triton", "block_r=16 warps=4", ms,
+            (raw + packed) // n * ids.numel())
+        k = min(n, 8)
+        ref_payload, _ = nvfp4_encode_ref(pages[:k])
+        same_enc = torch.equal(payload[:k], ref_payload)
+        o1 = nvfp4_decode_ref(ref_payload, torch.empty_like(pages[:k]))
+        o2 = nvfp4_decode(ref_payload, torch.empty_like(pages[:k]))
+        exact = same_enc and torch.equal(o1.view(torch.int16), o2.view(torch.int16))
+    else:
+        exact = None
+    ref_n = min(n, 64)
+    ms = time_ms(lambda: nvfp4_encode_ref(pages[:ref_n]), device, max(3, repeat // 4))
+    row(f"encode ({ref_n} pages)", "torch reference", "-", ms,
+        (raw + packed) // n * ref_n)
+    pl_ref, _ = nvfp4_encode_ref(pages[:ref_n])
+    ms = time_ms(lambda: nvfp4_decode_ref(pl_ref, dst[:ref_n]), device, max(3, repeat // 4))
+    row(f"decode ({ref_n} pages)", "torch reference", "-", ms, (raw + packed) // n * ref_n)
+
+    dev_name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "CPU"
+    lines = [
+        "### NVFP4 encode / decode bandwidth",
+        "",
+        f"Conditions: {dev_name}; torch {torch.__version__}; bf16 pages of shape "
+        f"[{L}, 2, {H}, {P}, {D}] (layers, K/V, KV heads, page size, head_dim); {n} pages = "
+        f"{raw / GIB:.3f} GiB raw, {packed / GIB:.3f} GiB encoded (ratio {raw / packed:.3f}); one "
+        f"launch for all pages; median of {repeat} runs "
+        f"({'CUDA events' if cuda else 'perf_counter'}); GB/s counts bytes read + written once; "
+        f"ceiling = device-to-device copy of the same pages in the same run "
+        f"({ceiling:.0f} GB/s).",
+        f"Triton vs torch reference, first {min(n, 8)} pages, encoded bytes and decoded values: "
+        f"{'bit-exact' if exact else ('DIFFER' if exact is False else 'not run (no Triton)')}.",
+        "",
+        "| op | implementation | config | ms | GB/s | % of copy |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    return lines
+
+
+def lossless_section(mib: int, repeat: int) -> list[str]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    L, H, P, D = 5, 8, 16, 128  # DFlash-b16 drafter of Qwen3-8B: the draft group
+    page_bytes = L * 2 * H * P * D * 2
+    n = max(2, (mib << 20) // page_bytes)
+    lines = ["### Lossless codec, one CPU core",
+             "",
+             f"Conditions: {platform.processor() or platform.machine()}, 1 thread; bf16 pages "
+             f"[{L}, 2, {H}, {P}, {D}] (the draft group), {n} pages = {n * page_bytes / 2**20:.1f} "
+             f"MiB per data set; GB/s = raw page bytes / wall time, best of {repeat}, CRC32 "
+             f"included; level None = the codec's entropy-coder parameters (the default).",
+             "", "| data | " + CompressionReport.MARKDOWN_HEADER.split("\n")[0][2:],
+             "|---|" + CompressionReport.MARKDOWN_HEADER.split("\n")[1][1:]]
+    settings = [dict(level=None), dict(level=None, compress="all"), dict(level=-5),
+                dict(level=1), dict(level=3)]
+    for kind in ("gaussian", "key"):
+        pages = synthetic_kv(kind, n, L, H, P, D, seed=1)
+        for opts in settings:
+            r = compression_report(pages, "lossless", repeats=repeat, **opts)
+            lines.append(f"| {kind} " + r.markdown_row())
+    torch.set_num_threads(threads)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--gib", type=float, default=1.0, help="NVFP4 data size on a GPU")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--cpu-mib", type=int, default=32, help="lossless data size per set")
+    ap.add_argument("--skip-lossless", action="store_true")
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    # CPU: a smoke test; the Triton interpreter takes seconds per page, so keep it to a few
+    target = (int(args.gib * GIB) if device.type == "cuda" else
+              (4 << 14 if os.environ.get("TRITON_INTERPRET") == "1" else 1 << 20))
+    repeat = args.repeat if device.type == "cuda" else min(args.repeat, 5)
+    lines = ["## Codecs", ""] + nvfp4_section(device, target, repeat) + [""]
+    if not args.skip_lossless:
+        lines += lossless_section(args.cpu_mib, 5) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
