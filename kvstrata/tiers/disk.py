@@ -79,6 +79,18 @@ class DiskTier:
             self.env.close()
             raise ValueError(f"{self.path!r} is an LMDB environment but not a kvstrata disk tier") from None
         self.capacity_bytes = capacity_bytes
+        if readonly:
+            # Readers report the capacity the writer configured, not their own default.
+            with self.env.begin(db=self._meta) as txn:
+                v = txn.get(b"capacity")
+            if v:
+                self.capacity_bytes = _U64.unpack(v)[0]
+        else:
+            try:
+                with self.env.begin(write=True, db=self._meta) as txn:
+                    txn.put(b"capacity", _U64.pack(capacity_bytes))
+            except lmdb.Error:
+                pass    # a full map: only `inspect` reads this, it falls back to its default
         self._cap = capacity_bytes            # lowered when the map turns out to be smaller
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
         self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,

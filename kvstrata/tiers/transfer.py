@@ -54,7 +54,7 @@ class Mover:
         # Staging rows mirror the host slot layout; allocated once per direction.
         shape = (batch_pages, host.slot_bytes)
         self._down = torch.empty(shape, dtype=torch.uint8, device=self.device)
-        self._up = torch.empty(shape, dtype=torch.uint8, device=self.device) if self.cuda else self._down
+        self._up = torch.empty(shape, dtype=torch.uint8, device=self.device)
         if self.cuda:
             self._d2h = torch.cuda.Stream(self.device)
             self._h2d = torch.cuda.Stream(self.device)
@@ -172,11 +172,8 @@ class Mover:
 
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
         buf = self.host.buf
-        if not self.cuda:
-            buf.index_copy_(0, torch.tensor(list(slots), dtype=torch.long), stage)
-            return
         for row, slot, k in _runs(slots):
-            buf[slot:slot + k].copy_(stage[row:row + k], non_blocking=True)
+            buf[slot:slot + k].copy_(stage[row:row + k], non_blocking=self.cuda)
 
     # -- host -> device -----------------------------------------------------------------------------
     def up(self, entries: Sequence[HostEntry], page_ids: Sequence[int]):
@@ -187,12 +184,9 @@ class Mover:
         slots = [e.slot for e in entries]
         stream = self._h2d if self.cuda else None
         with self._on(stream):
-            if self.cuda:
-                stage = self._up[:n]
-                for row, slot, k in _runs(slots):
-                    stage[row:row + k].copy_(self.host.buf[slot:slot + k], non_blocking=True)
-            else:
-                stage = self.host.buf.index_select(0, torch.tensor(slots, dtype=torch.long))
+            stage = self._up[:n]
+            for row, slot, k in _runs(slots):
+                stage[row:row + k].copy_(self.host.buf[slot:slot + k], non_blocking=self.cuda)
             ids = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
             for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
                 off = self.host.offsets[gi]
