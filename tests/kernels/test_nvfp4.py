@@ -12,6 +12,7 @@ from kvstrata.kernels.nvfp4 import (E2M1_GRID, e2m1_code, e2m1_value, e4m3_round
                                     nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
                                     nvfp4_encode_ref, nvfp4_layout)
 
+# Example counts scale with the hypothesis profile (ci: bounded; nightly: ~50x more).
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -54,7 +55,7 @@ def test_triton_matches_reference_bit_for_bit(dtype, kind):
     assert (o_ref[1, 1, 0] == 0).all() and (o_ref[0, 0, 1, 1, 2, 16:32] == 0).all()
 
 
-@settings(max_examples=6)
+@settings(max_examples=max(6, settings.default.max_examples // 8))
 @given(seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES), layers=st.integers(1, 2),
        heads=st.integers(1, 3), psize=st.sampled_from([1, 2, 4]), dblocks=st.integers(1, 3),
        kind=st.sampled_from(["gauss", "wide"]))
