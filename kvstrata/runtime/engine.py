@@ -278,7 +278,7 @@ class LLM:
         else:
             attn = self.arena.attention(keys, starts, qlens)
         hidden = d(noise, pos_t, attn)
-        h = hidden[torch.tensor(rows, device=dev)].to(self.target.dtype)
+        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(self.target.dtype)
         logits = d.postprocess_logits(self.target.compute_logits(h))
         greedy = logits.argmax(-1).tolist()
         out, at = {}, 0
@@ -325,8 +325,9 @@ class LLM:
             elif r.num_computed + n == len(r.prompt):
                 need.append(at + n - 1)
             at += n
-        logits = self.target.compute_logits(hidden[torch.tensor(need, device=dev)])
-        greedy = logits.argmax(-1).tolist()
+        logits = self.target.compute_logits(
+            hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
+        greedy = logits.argmax(-1).tolist() if need else []
         commits = []          # (request, tokens to commit, first row in the packed step)
         li, at = 0, 0
         now = time.perf_counter()
@@ -393,6 +394,7 @@ class LLM:
                                   torch.arange(s, s + m, device=dev))
         if self.paged and rows:
             self.drafter.write_context(
-                taps[torch.tensor(rows, device=dev)], torch.tensor(pos, device=dev),
+                taps[torch.tensor(rows, dtype=torch.int64, device=dev)],
+                torch.tensor(pos, dtype=torch.int64, device=dev),
                 torch.tensor(slots, dtype=torch.int64, device=dev), self.pool.kv["draft"],
                 impl=self.attn_impl)
