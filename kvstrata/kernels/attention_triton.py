@@ -60,7 +60,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
 def _paged_attention_kernel(
         q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr,
-        layer, qk_scale, window, tokens_per_split, num_q_blocks,
+        layer_off, qk_scale, window, tokens_per_split, num_q_blocks,
         s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
         s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
         s_pos, s_pot, s_poh, s_pls, s_plt,
@@ -111,7 +111,9 @@ def _paged_attention_kernel(
         # BLOCK_N divides tokens_per_split, so the aligned start never crosses into the previous
         # split (which would count those keys twice).
         lo = tl.maximum(lo, (first_pos - window + 1) // BLOCK_N * BLOCK_N)
-    kv_base = kv_ptr + layer.to(tl.int64) * s_layer + kvh * s_head
+    # layer_off = layer * s_layer comes from the host: Triton specializes an int argument equal to
+    # 1 into a constexpr, so `layer.to(...)` would not compile for layer 1.
+    kv_base = kv_ptr + layer_off + kvh * s_head
     bt_row = bt_ptr + seq.to(tl.int64) * s_bt
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -183,15 +185,23 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + t * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
+def kernel_config(group: int, head_dim: int, max_query_len: int, max_seq_len: int = 0) -> dict:
     """Tile sizes: ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill)."""
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
     block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
+    # Measured on an H200 (docs/benchmarks.md, config sweep): 32-token KV tiles win for verify
+    # (64 query rows: register pressure) and for decode up to 8k contexts; long contexts prefer 64.
+    block_m = block_q * group_pad
+    if block_m >= 64:
+        block_n, stages = 32, 4
+    else:
+        block_n, stages = (32 if max_seq_len <= 8192 else 64), 2
+    if block_d > 128:
+        block_n = 32
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2)
+                num_warps=4 if block_m <= 64 else 8, num_stages=stages)
 
 
 def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
@@ -212,7 +222,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    cfg = kernel_config(group, d, meta.max_query_len)
+    cfg = kernel_config(group, d, meta.max_query_len, meta.max_seq_len)
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep)
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
@@ -238,7 +248,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     _paged_attention_kernel[grid](
         q, kv_cache, bk, bv, out, part_o, part_lse,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        layer, sm_scale * _LOG2E, sliding_window or 0, max(meta.tokens_per_split, 1),
+        layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
+        max(meta.tokens_per_split, 1),
         num_q_blocks,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), kv_cache.stride(4),
