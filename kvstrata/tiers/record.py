@@ -25,7 +25,13 @@ import msgpack
 
 import torch
 
-from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32
+from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage
+
+try:
+    # ISA-L computes the same CRC-32 as zlib, ~4x faster: records stay readable either way.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - optional accelerator
+    from zlib import crc32 as _crc32
 from ..dtypes import dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
@@ -33,6 +39,13 @@ from ..pagepool import KVGroupSpec, PageInfo, hash_page
 FORMAT_VERSION = 1
 MAGIC = b"KVSR"
 _PREFIX = struct.Struct("<4sII")
+
+
+def crc32(data) -> int:
+    """CRC-32 (zlib's polynomial) of a bytes-like object or a CPU uint8 tensor."""
+    if isinstance(data, torch.Tensor):
+        data = data.contiguous().numpy().data
+    return _crc32(data) & 0xFFFFFFFF
 
 
 class RecordMismatch(CorruptPageError):

@@ -62,22 +62,24 @@ class Mover:
 
     # -- stream plumbing ------------------------------------------------------------------------
     @contextmanager
-    def _on(self, stream) -> Iterator[None]:
+    def _on(self, stream) -> Iterator[object]:
+        """Run the block on ``stream`` after the compute stream's work so far; yields the
+        compute stream (inside the block ``current_stream()`` is the side stream)."""
         if not self.cuda:
-            yield
+            yield None
             return
-        cur = torch.cuda.current_stream(self.device)
-        stream.wait_stream(cur)
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)
         with torch.cuda.stream(stream):
-            yield
+            yield compute
 
-    def _finish(self, stream):
+    def _finish(self, stream, compute):
         """Event after the batch; the compute stream waits for it before touching the pages."""
         if not self.cuda:
             return None
         ev = torch.cuda.Event()
         ev.record(stream)
-        torch.cuda.current_stream(self.device).wait_event(ev)
+        compute.wait_event(ev)
         return ev
 
     @contextmanager
@@ -119,7 +121,7 @@ class Mover:
         headers: list[list[EncodedPage]] = [[] for _ in range(n)]
         sizes: list[list[int]] = [[] for _ in range(n)]
         stream = self._d2h if self.cuda else None
-        with self._on(stream):
+        with self._on(stream) as compute:
             if self.cuda and self._last_up is not None:
                 self._d2h.wait_event(self._last_up)   # slots being reused may still feed an H2D
             stage = self._down[:n]
@@ -147,7 +149,7 @@ class Mover:
                     headers[j].append(replace(enc, payload=_EMPTY))
                     sizes[j].append(enc.nbytes)
             self._rows_to_slots(stage, slots)
-            ev = self._finish(stream)
+            ev = self._finish(stream, compute)
         entries = [HostEntry(info, ns, s, headers[j], sizes[j]) for j, (info, s) in
                    enumerate(zip(infos, slots))]
         return entries, ev
@@ -183,7 +185,7 @@ class Mover:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
         slots = [e.slot for e in entries]
         stream = self._h2d if self.cuda else None
-        with self._on(stream):
+        with self._on(stream) as compute:
             stage = self._up[:n]
             for row, slot, k in _runs(slots):
                 stage[row:row + k].copy_(self.host.buf[slot:slot + k], non_blocking=self.cuda)
@@ -208,7 +210,7 @@ class Mover:
                         continue
                     for enc, pid in zip(encs, page_ids):
                         kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))
-            ev = self._finish(stream)
+            ev = self._finish(stream, compute)
         if ev is not None:
             self._last_up = ev
         return ev

@@ -1,0 +1,252 @@
+"""Tier throughput: device<->host page moves vs pinned PCIe, and the disk tier vs a plain file.
+
+    python benchmarks/tiers_bench.py --device cuda --out docs/bench/tiers_gpu.md   # H200, ~2 min
+    python benchmarks/tiers_bench.py --device cpu --out docs/bench/tiers_cpu.md    # disk + smoke
+
+Transfers (``--device``): a pool of Qwen3-8B-shaped target pages ([36, 2, 8, 16, 128] bf16,
+2.25 MiB per page; ``--tiny`` shrinks them for a smoke test) and a TierManager with a host tier
+of one batch. Down = ``TierManager.on_evict`` of a batch of pages (gather + encode on the device,
+D2H into pinned slots, event wait); up = ``load_prefix`` of the same batch from the host (H2D +
+decode into pool pages). Times are CUDA-event medians of ``--reps`` runs, from before the call to
+the compute stream being able to use the pages. The ceiling is one ``copy_`` of the batch's bytes
+between a device buffer and a pinned host buffer, each direction, in the same run. Identity pages
+report GB/s of the bytes moved and % of the ceiling (goal >= 90%); NVFP4 pages report
+bf16-equivalent GB/s (raw page bytes / time) and its ratio to the raw ceiling (goal >= 3.2x).
+
+Disk (always on the CPU): records of the same pages (identity codec) written through
+``build_record`` + ``DiskTier.put_batch`` in batches (CRC32 per payload and header, one LMDB
+transaction per batch) and read back with ``verify_record`` + a copy into a host buffer (what a
+promotion does), against writing the same record bytes to a plain file sequentially and reading
+them back with ``readinto``. Both sides go through the page cache (no fsync; the tier's default);
+medians of ``--disk-reps`` runs, each into a fresh directory. Goal: >= 80% of the plain file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstrata.codecs import get_codec  # noqa: E402
+from kvstrata.pagepool import KVGroupSpec, Namespace, PageInfo, PagePool, hash_page  # noqa: E402
+from kvstrata.tiers import DiskTier, TierManager  # noqa: E402
+from kvstrata.tiers.record import build_record, verify_record  # noqa: E402
+
+P = 16
+
+
+def geometry(tiny: bool) -> tuple[int, int, int]:
+    return (2, 2, 64) if tiny else (36, 8, 128)     # layers, kv heads, head_dim
+
+
+def timed(device: torch.device, fn, reps: int) -> float:
+    """Median ms of ``fn``: CUDA events on the current stream, or perf_counter on the CPU."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(out)
+
+
+def ceiling(device: torch.device, nbytes: int, reps: int) -> tuple[float, float]:
+    """GB/s of one copy_ of ``nbytes`` device->pinned host and back (plain memcpy on the CPU)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    d2h = timed(device, lambda: host.copy_(dev, non_blocking=True), reps)
+    h2d = timed(device, lambda: dev.copy_(host, non_blocking=True), reps)
+    return nbytes / d2h / 1e6, nbytes / h2d / 1e6
+
+
+def infos_for(ns: Namespace, n: int, first_page_id: int = 0) -> list[PageInfo]:
+    out, parent = [], ns.digest
+    for i in range(n):
+        toks = tuple(range(i * P, (i + 1) * P))
+        h = hash_page(parent, toks)
+        out.append(PageInfo(first_page_id + i, h, parent, toks))
+        parent = h
+    return out
+
+
+def bench_transfer(device: torch.device, codec: str, batch: int, tiny: bool, reps: int) -> dict:
+    L, H, D = geometry(tiny)
+    g = KVGroupSpec("target", L, H, D, torch.bfloat16, codec)
+    ns = Namespace("bench", [g], P)
+    pool = PagePool([g], 2 * batch, P, device)
+    pool.kv["target"].normal_()
+    tiers = TierManager(pool, ns, host_bytes=batch * TierManager.slot_bytes_for(pool),
+                        batch_pages=batch)
+    src = infos_for(ns, batch)
+
+    def down():
+        tiers.host.clear()
+        tiers.on_evict(src)
+    ms_down = timed(device, down, reps)
+    tiers.host.settle()
+    dst = list(range(batch, 2 * batch))
+    n = tiers.load_prefix(ns, src, dst)
+    if n != batch:
+        raise RuntimeError(f"load_prefix loaded {n} of {batch} pages")
+    ms_up = timed(device, lambda: tiers.load_prefix(ns, src, dst), reps)
+    # Correctness of what was timed: the round trip equals the codec's own round trip.
+    c = get_codec(codec)
+    want = pool.kv["target"][0] if c.lossless else c.decode(c.encode(pool.kv["target"][0]), device)
+    exact = torch.equal(pool.kv["target"][batch], want)
+    raw = g.bytes_per_page(P) * batch
+    moved = sum(e.nbytes for e in (tiers.host.get(i.hash) for i in src))
+    return dict(codec=codec, batch=batch, raw=raw, moved=moved, ms_down=ms_down, ms_up=ms_up,
+                exact=exact, page_shape=g.page_shape(P))
+
+
+def _records(n: int, tiny: bool) -> list[tuple[PageInfo, list]]:
+    L, H, D = geometry(tiny)
+    g = KVGroupSpec("target", L, H, D, torch.bfloat16, "identity")
+    ns = Namespace("bench", [g], P)
+    codec = get_codec("identity")
+    page = torch.randn(g.page_shape(P)).to(torch.bfloat16)
+    enc = codec.encode(page)
+    return ns, g, codec, [(info, enc) for info in infos_for(ns, n)]
+
+
+def bench_disk(total_mb: int, tiny: bool, reps: int, batch: int) -> dict:
+    ns, g, codec, pages = _records(1, tiny)
+    per = g.bytes_per_page(P)
+    n = max(batch, (total_mb << 20) // per)
+    ns, g, codec, pages = _records(n, tiny)
+    specs, codecs = [g], [codec]
+    payload = pages[0][1].payload.numpy().data
+    results = {"write": [], "read": [], "file_write": [], "file_read": []}
+    nbytes = 0
+    for _ in range(reps):
+        root = Path(tempfile.mkdtemp(prefix="kvstrata-bench-", dir=os.environ.get("TMPDIR")))
+        try:
+            disk = DiskTier(root / "lmdb", map_size=4 * n * (per + 4096) + (64 << 20))
+            t = time.perf_counter()
+            recs = []
+            for k in range(0, n, batch):
+                items = []
+                for info, enc in pages[k:k + batch]:
+                    # the checksum is computed here, as the tier does for pages from host slots
+                    parts = build_record(ns.digest, info, [g.name], [enc.__class__(
+                        enc.codec, enc.version, enc.shape, enc.dtype, enc.payload)], [payload])
+                    items.append((info.hash, parts))
+                    recs.append(parts)
+                disk.put_batch(items)
+            results["write"].append(time.perf_counter() - t)
+            nbytes = sum(sum(len(p) for p in parts) for parts in recs)
+            host = np.empty(per, dtype=np.uint8)
+            t = time.perf_counter()
+            with disk.reader() as get:
+                for info, _ in pages:
+                    rec = verify_record(get(info.hash), ns.digest, info, specs, codecs, P)
+                    np.copyto(host, np.frombuffer(rec.payloads[0], dtype=np.uint8))
+            results["read"].append(time.perf_counter() - t)
+            disk.close()
+            f = root / "plain.bin"
+            t = time.perf_counter()
+            with open(f, "wb") as fh:
+                for parts in recs:
+                    for p in parts:
+                        fh.write(p)
+            results["file_write"].append(time.perf_counter() - t)
+            buf = bytearray(nbytes)
+            t = time.perf_counter()
+            with open(f, "rb", buffering=0) as fh:
+                fh.readinto(buf)
+            results["file_read"].append(time.perf_counter() - t)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in results.items()}
+    return dict(pages=n, nbytes=nbytes, page_bytes=per,
+                **{k: nbytes / s / 1e9 for k, s in med.items()})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="write the markdown here too")
+    ap.add_argument("--batch", type=int, default=64, help="pages per transfer batch")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--disk-mb", type=int, default=256)
+    ap.add_argument("--disk-reps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="small pages (smoke test)")
+    ap.add_argument("--skip-disk", action="store_true")
+    ap.add_argument("--skip-transfers", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)     # small copies: avoid OpenMP spin-waits on shared machines
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    L, H, D = geometry(args.tiny)
+    lines: list[str] = []
+    if not args.skip_transfers:
+        lines = [f"### Tier transfers on {dev_name} ({device.type})", "",
+                 f"Conditions: target group [{L}, 2, {H}, {P}, {D}] bf16 per page, batch of "
+                 f"{args.batch} pages, pool/host/staging allocated once, median of {args.reps} runs "
+                 f"({'CUDA events' if device.type == 'cuda' else 'perf_counter'}), torch "
+                 f"{torch.__version__}.", ""]
+        res = [bench_transfer(device, c, args.batch, args.tiny, args.reps)
+               for c in ("identity", "nvfp4")]
+        c_d2h, c_h2d = ceiling(device, res[0]["raw"], args.reps)
+        lines += ["| path | codec | bytes/batch moved | ms | GB/s moved | bf16-equiv GB/s | vs ceiling | exact |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| D2H ceiling (pinned copy_) | - | {res[0]['raw']} | {res[0]['raw'] / c_d2h / 1e6:.3f} "
+                  f"| {c_d2h:.1f} | - | 100% | - |",
+                  f"| H2D ceiling (pinned copy_) | - | {res[0]['raw']} | {res[0]['raw'] / c_h2d / 1e6:.3f} "
+                  f"| {c_h2d:.1f} | - | 100% | - |"]
+        for r in res:
+            for way, ms, ceil in (("down (device->host)", r["ms_down"], c_d2h),
+                                  ("up (host->device)", r["ms_up"], c_h2d)):
+                gbs = r["moved"] / ms / 1e6
+                eq = r["raw"] / ms / 1e6
+                vs = f"{100 * gbs / ceil:.0f}%" if r["codec"] == "identity" else f"{eq / ceil:.2f}x"
+                lines.append(f"| {way} | {r['codec']} | {r['moved']} | {ms:.3f} | {gbs:.1f} | "
+                             f"{eq:.1f} | {vs} | {r['exact']} |")
+        lines += ["", "Goals: identity >= 90% of the ceiling; NVFP4 bf16-equivalent >= 3.2x the raw "
+                  "ceiling (exact = the pages read back equal the codec's own round trip).", ""]
+    if not args.skip_disk:
+        d = bench_disk(args.disk_mb if not args.tiny else 8, args.tiny, args.disk_reps, args.batch)
+        lines += [f"### Disk tier on the CPU ({platform.processor() or platform.machine()}, "
+                  f"{os.cpu_count()} cores)", "",
+                  f"Conditions: {d['pages']} identity records of {d['page_bytes']} B pages "
+                  f"({d['nbytes'] / 2**20:.0f} MiB), batches of {args.batch} per LMDB transaction, "
+                  f"no fsync on either side, median of {args.disk_reps} runs, lmdb "
+                  f"{'.'.join(map(str, __import__('lmdb').version()))}.", "",
+                  "| operation | GB/s | plain file GB/s | % of plain file |", "|---|---|---|---|",
+                  f"| write (build record + CRC + commit) | {d['write']:.2f} | {d['file_write']:.2f} "
+                  f"| {100 * d['write'] / d['file_write']:.0f}% |",
+                  f"| read (verify CRC + copy to host) | {d['read']:.2f} | {d['file_read']:.2f} "
+                  f"| {100 * d['read'] / d['file_read']:.0f}% |", "",
+                  "Goal: >= 80% of the plain file in both directions.", ""]
+    md = "\n".join(lines)
+    print(md)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(md + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
