@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvstrata.cli.main import main
@@ -33,3 +34,8 @@ def test_stress_detects_wrong_pages(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(TierManager, "load_prefix", corrupting)
     assert _run(tmp_path, "--seconds", "2", "--codecs", "identity,identity") == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_stress_long_run_write_through(tmp_path, capsys):
+    assert _run(tmp_path, "--seconds", "120", "--write-through", "--restart-every", "10") == 0
