@@ -62,6 +62,8 @@ class DraftAttention(AttentionProjections):
         kc, vc = self._kv(ctx, ctx_pos, theta)
         kb, vb = self._kv(x, x_pos, theta)
         k, v = torch.cat([kc, kb], dim=2), torch.cat([vc, vb], dim=2)
+        # under autocast the norms return fp32 and the projections bf16: one dtype for sdpa
+        q, k = q.to(v.dtype), k.to(v.dtype)
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -30,7 +30,8 @@ def load_hf_target(path: str | os.PathLike, device: torch.device):
     except TypeError:  # transformers < 4.56 spells it torch_dtype
         model = Qwen3ForCausalLM.from_pretrained(path, torch_dtype=dtype,
                                                  attn_implementation="sdpa")
-    model.to(device).eval().requires_grad_(False)
+    # explicit: older transformers may ignore the dtype keyword instead of raising
+    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return model
 
 
