@@ -88,4 +88,4 @@ def test_forged_hash_link_is_a_mismatch():
     forged = record._PREFIX.pack(record.MAGIC, len(hb), record.crc32(hb)) + hb + b"".join(
         bytes(p) for p in rec.payloads)
     with pytest.raises(RecordMismatch, match="H\\(parent"):
-        verify_record(forged, NS.digest, None or info, GROUPS, CODECS, PAGE)
+        verify_record(forged, NS.digest, info, GROUPS, CODECS, PAGE)
