@@ -34,8 +34,11 @@ def _missing(d: Path, parts: tuple[str, ...]) -> list[str]:
     return [str(x / f) for x in dirs for f in _WEIGHT_FILES if not (x / f).is_file()]
 
 
-def resolve_model(name: str | os.PathLike) -> Path:
+def resolve_model(name: str | os.PathLike, part: str | None = None) -> Path:
     """A shipped model name (or an existing directory) -> its directory.
+
+    With ``part`` (``"target"`` / ``"drafter"``), a bare model name means that part of it:
+    ``resolve_model("kvstrata-tiny-py", part="drafter")`` is the drafter's directory.
 
     Raises ``ValueError`` for an unknown name, or for a known one whose weights are not present
     (they are trained by ``scripts/train_tiny_pair.sh`` and committed after the GPU run).
@@ -44,6 +47,8 @@ def resolve_model(name: str | os.PathLike) -> Path:
     if p.is_dir():
         return p
     s = str(name).strip("/")
+    if part is not None and "/" not in s and s in MODELS:
+        s = f"{s}/{part}"
     model, _, part = s.partition("/")
     if model not in MODELS or (part and part not in MODELS[model]):
         raise ValueError(f"unknown model {str(name)!r}: not a directory and not a shipped model "

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
+from ..assets import resolve_model
 from ..drafter import DFlashDrafter, DraftArena, PagedDraftAttention
 from ..kernels.attention import plan_attention
 from ..pagepool.hashing import Namespace
@@ -35,12 +36,13 @@ from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_f
 from .scheduler import DECODE, PREFILL, Request, Scheduler
 
 
-def _load(obj, loader, device, dtype):
+def _load(obj, loader, device, dtype, part: str):
     if obj is None or isinstance(obj, nn.Module):
         return obj
     if not isinstance(obj, (str, os.PathLike)):
         raise ValueError(f"expected a checkpoint directory or a loaded model, got {type(obj).__name__}")
-    return loader(obj, device=device, dtype=dtype)
+    # A shipped model name ("kvstrata-tiny-py" or "kvstrata-tiny-py/target") or a directory.
+    return loader(resolve_model(obj, part=part), device=device, dtype=dtype)
 
 
 def _make_tiers(spec, pool: PagePool, namespace: Namespace):
@@ -82,9 +84,10 @@ class LLM:
             raise ValueError(f"cache must be a CacheConfig, got {type(cache).__name__}")
         self.device = torch.device(device)
         self.attn_impl = attn_impl
-        self.target: Qwen3Model = _load(target, Qwen3Model.from_pretrained, self.device, dtype)
+        self.target: Qwen3Model = _load(target, Qwen3Model.from_pretrained, self.device, dtype,
+                                        "target")
         self.drafter: DFlashDrafter | None = _load(drafter, DFlashDrafter.from_pretrained,
-                                                   self.device, dtype)
+                                                   self.device, dtype, "drafter")
         tcfg = self.target.config
         limits = {"target": tcfg.max_position_embeddings}
         if self.drafter is not None:
