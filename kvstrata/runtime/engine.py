@@ -33,7 +33,7 @@ from .outputs import RequestOutput
 from .qwen3 import Qwen3Model
 from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
                        sampling_probs)
-from .scheduler import DECODE, PREFILL, Request, Scheduler
+from .scheduler import DECODE, PREFILL, PREFILLED, Request, Scheduler
 
 
 def _load(obj, loader, device, dtype, part: str):
@@ -130,30 +130,56 @@ class LLM:
         Bad requests are rejected one by one (``finish_reason="rejected"``, ``error`` says why);
         the others run.
         """
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of token-id lists")
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        outs = [RequestOutput(i, []) for i in range(len(prompts))]
+        sched, outs = self._submit(prompts, params, cache_salt, handoff=False)
+        self._run(sched, outs, [])
+        return outs
+
+    def prefill(self, prompts: Sequence[Sequence[int]],
+                params: SamplingParams | Sequence[SamplingParams] | None = None,
+                cache_salt: str | None = None) -> list[Request | RequestOutput]:
+        """Context-worker half of :meth:`generate`: prefill (prefix reuse included) and sample the
+        first token, then stop.
+
+        Per prompt: a :class:`Request` in state ``PREFILLED`` whose sequence (``rid_key``; every
+        prompt token committed in both groups) stays held until :meth:`release`, or a final
+        :class:`RequestOutput` (rejected, or finished at its first token).
+        """
+        sched, outs = self._submit(prompts, params, cache_salt, handoff=True)
+        held: list[Request] = []
+        self._run(sched, outs, held)
+        res: list[Request | RequestOutput] = list(outs)
+        for r in held:
+            res[r.rid] = r
+        return res
+
+    def resume(self, requests: Sequence[Request]) -> list[RequestOutput]:
+        """Generation-worker half: decode requests whose prompt K/V is already in this pool.
+
+        Each request is in state ``DECODE`` with ``tokens = prompt + [first token]``,
+        ``num_computed == len(prompt)`` and ``rid_key`` naming an admitted sequence of this
+        manager holding exactly the prompt (``disagg.workers`` builds them from a handoff).
+        Returns outputs in the order given; the sequences are freed.
+        """
+        outs: list[RequestOutput | None] = [None] * len(requests)
         sched = Scheduler(self.cache.max_batch_size, self.cache.max_num_batched_tokens,
                           self.block_size)
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            try:
-                req = self._make_request(i, p, sp, cache_salt)
-            except ValueError as e:
-                outs[i].prompt_token_ids = list(p) if isinstance(p, Sequence) else []
-                outs[i].finish_reason, outs[i].error = "rejected", str(e)
-                continue
-            sched.add(req)
-        while sched.has_work:
-            self._step(sched)
-            for r in sched.retire():
-                self._release(r)
-                outs[r.rid] = self._output(r)
+        local = {}
+        for i, r in enumerate(requests):
+            seq = self.mgr.seqs.get(r.rid_key)
+            if r.state != DECODE or seq is None or seq.token_ids != r.prompt or \
+                    r.num_computed != len(r.prompt) or len(r.tokens) != len(r.prompt) + 1:
+                raise ValueError(f"request {r.rid}: resume needs a DECODE request whose sequence "
+                                 f"{r.rid_key!r} holds exactly its prompt and one pending token")
+            local[i], r.rid = r.rid, i   # outputs are indexed locally, then renamed back
+            sched.add(r)
+        self._run(sched, outs, [])
+        for i, o in enumerate(outs):
+            o.request_id = requests[i].rid = local[i]
         return outs
+
+    def release(self, r: Request) -> None:
+        """Free a request's sequence (a handed-off one: its full pages stay cached)."""
+        self._release(r)
 
     def stats(self) -> dict:
         """Pool, prefix-cache, tier and engine counters."""
@@ -173,6 +199,38 @@ class LLM:
         return out
 
     # -- requests -------------------------------------------------------------------------------
+    def _submit(self, prompts, params, cache_salt, handoff: bool) -> tuple[Scheduler, list]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a list of token-id lists")
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        outs = [RequestOutput(i, []) for i in range(len(prompts))]
+        sched = Scheduler(self.cache.max_batch_size, self.cache.max_num_batched_tokens,
+                          self.block_size)
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            try:
+                req = self._make_request(i, p, sp, cache_salt)
+            except ValueError as e:
+                outs[i].prompt_token_ids = list(p) if isinstance(p, Sequence) else []
+                outs[i].finish_reason, outs[i].error = "rejected", str(e)
+                continue
+            req.handoff = handoff
+            sched.add(req)
+        return sched, outs
+
+    def _run(self, sched: Scheduler, outs: list, held: list[Request]) -> None:
+        while sched.has_work:
+            self._step(sched)
+            for r in sched.retire():
+                if r.state == PREFILLED:
+                    held.append(r)       # its sequence stays admitted for the handoff
+                    continue
+                self._release(r)
+                outs[r.rid] = self._output(r)
+
     def _make_request(self, i: int, prompt, sp, salt) -> Request:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"request {i}: params must be SamplingParams, got {type(sp).__name__}")
@@ -202,11 +260,16 @@ class LLM:
     def _admit(self, sched: Scheduler) -> None:
         while sched.waiting and sched.free_slots() > 0:
             r = sched.waiting.popleft()
-            r.rid_key = (next(self._ids), r.rid)
-            seq = self.mgr.admit(r.rid_key, r.prompt, cache_salt=r.salt)
-            r.num_computed = r.num_cached_tokens = seq.num_cached_tokens
-            r.tokens = list(r.prompt)
-            r.state, r.t_admit = PREFILL, time.perf_counter()
+            if r.state == DECODE:
+                # Handed over (``resume``): the prompt's K/V is in the pool; the arena backend
+                # starts empty here, which is exactly its disaggregation weakness.
+                r.t_admit = r.t_first = time.perf_counter()
+            else:
+                r.rid_key = (next(self._ids), r.rid)
+                seq = self.mgr.admit(r.rid_key, r.prompt, cache_salt=r.salt)
+                r.num_computed = r.num_cached_tokens = seq.num_cached_tokens
+                r.tokens = list(r.prompt)
+                r.state, r.t_admit = PREFILL, time.perf_counter()
             if self.arena is not None:
                 self.arena.open(r.rid_key, r.num_computed)
             sched.running.append(r)
@@ -373,6 +436,9 @@ class LLM:
                     li += 1
                     r.state, r.t_first = DECODE, now
                     r.append([first])
+                    if r.handoff and r.state == DECODE:
+                        r.state = PREFILLED
+                        # The prompt commit below still runs: a handoff carries committed pages.
                     self.counters["generated_tokens"] += 1
             at += n
         self._write_context(commits, taps)

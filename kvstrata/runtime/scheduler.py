@@ -17,6 +17,8 @@ import torch
 from .sampling import SamplingParams
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+# A handoff request (``LLM.prefill``) stops here after its first token: its pages stay held.
+PREFILLED = "prefilled"
 
 
 @dataclass(slots=True, eq=False)
@@ -36,6 +38,7 @@ class Request:
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    handoff: bool = False           # stop at PREFILLED (first token sampled) instead of decoding
     rid_key: tuple | None = None    # the manager's sequence id (unique across generate calls)
     t_admit: float = 0.0
     t_first: float = 0.0
@@ -114,7 +117,8 @@ class Scheduler:
         return StepPlan(decode, prefill)
 
     def retire(self) -> list[Request]:
-        done = [r for r in self.running if r.state == DONE]
+        """Remove and return finished (DONE) and handed-off (PREFILLED) requests."""
+        done = [r for r in self.running if r.state in (DONE, PREFILLED)]
         if done:
-            self.running = deque(r for r in self.running if r.state != DONE)
+            self.running = deque(r for r in self.running if r.state not in (DONE, PREFILLED))
         return done

@@ -9,7 +9,9 @@ The context worker (sender) and the generation worker (receiver) each own a page
    leading pages it has: those are not sent again;
 3. payload (sender -> receiver): for every group, the missing pages as one contiguous batch
    ``[n, num_layers, 2, num_kv_heads, page_size, head_dim]`` (raw), plus a CRC32 per group batch on
-   the CPU path;
+   the CPU path; or, with ``encode=True`` (a slow link), every page encoded with its group's codec
+   (``nvfp4`` target pages are lossy, ``lossless`` draft pages bit-exact) as one uint8 batch per
+   group, each page carrying its codec header and CRC32;
 4. the receiver copies the batch into pages it reserved for the sequence and only then commits the
    tokens (which hashes the full pages and makes them findable).
 
@@ -31,6 +33,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from ...codecs import EncodedPage, get_codec
 from ...pagepool import KVCacheManager, Namespace, SequenceState, page_hashes
 
 PROTOCOL_VERSION = 1
@@ -133,9 +136,40 @@ def _crc(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().data)
 
 
+def _encode_payload(mgr: KVCacheManager, payload: dict[str, torch.Tensor]
+                    ) -> tuple[dict[str, list[dict]], dict[str, torch.Tensor]]:
+    """Encode every page of every group with the group's codec: headers and one uint8 batch each."""
+    headers, blobs = {}, {}
+    for spec in mgr.pool.groups:
+        codec = get_codec(spec.codec)
+        pages = [codec.encode(p).to_host() for p in payload[spec.name]]
+        headers[spec.name] = [e.header() for e in pages]
+        blobs[spec.name] = torch.cat([e.payload for e in pages])
+    return headers, blobs
+
+
+def _decode_payload(mgr: KVCacheManager, headers: dict[str, list[dict]],
+                    blobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for spec in mgr.pool.groups:
+        codec, flat, at, pages = get_codec(spec.codec), blobs[spec.name].cpu(), 0, []
+        for h in headers[spec.name]:
+            n = int(h["nbytes"])
+            # decode() checks the codec name/version and the page's CRC32: a damaged page raises.
+            pages.append(codec.decode(EncodedPage.from_header(h, flat[at:at + n]),
+                                      device=mgr.pool.device))
+            at += n
+        out[spec.name] = torch.stack(pages)
+    return out
+
+
 def send_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object,
-                  extra: dict[str, Any] | None = None) -> TransferStats:
-    """Hand sequence ``seq_id`` (its committed tokens and pages) to the peer."""
+                  extra: dict[str, Any] | None = None, encode: bool = False) -> TransferStats:
+    """Hand sequence ``seq_id`` (its committed tokens and pages) to the peer.
+
+    ``encode``: send every page encoded with its group's codec (fewer bytes on a slow link; a
+    lossy target codec makes the receiver's target K/V approximate, draft pages stay bit-exact).
+    """
     t0 = time.perf_counter()
     seq = mgr.seqs[seq_id]
     P = mgr.page_size
@@ -151,10 +185,15 @@ def send_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object,
     stats = TransferStats(pages_total=n_pages, pages_sent=len(missing), pages_skipped=have)
     if missing:
         payload = _pages_payload(mgr, missing)
-        checks = {}
-        if channel.device.type == "cpu":
+        checks, headers = {}, None
+        if encode:
+            tail = seq.num_tokens - (n_pages - 1) * P
+            for t in payload.values():   # a copy: slots past the length may hold NaN garbage
+                t[-1, :, :, :, tail:] = 0
+            headers, payload = _encode_payload(mgr, payload)
+        elif channel.device.type == "cpu":
             checks = {name: _crc(t.cpu()) for name, t in payload.items()}
-        channel.send_obj({"checksums": checks})
+        channel.send_obj({"checksums": checks, "encoded": headers})
         for name in mgr.pool.kv:
             channel.send_tensor(payload[name])
             stats.bytes += payload[name].numel() * payload[name].element_size()
@@ -210,10 +249,16 @@ def recv_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object | No
             meta = channel.recv_obj()
             missing = seq.page_ids[have:n_pages]
             idx = torch.as_tensor(missing, dtype=torch.long, device=mgr.pool.device)
-            staged = {}
+            staged, headers = {}, meta.get("encoded")
             for name, t in mgr.pool.kv.items():
-                staged[name] = channel.recv_tensor((len(missing), *t.shape[1:]), t.dtype)
+                if headers:
+                    size = sum(int(h["nbytes"]) for h in headers[name])
+                    staged[name] = channel.recv_tensor((size,), torch.uint8)
+                else:
+                    staged[name] = channel.recv_tensor((len(missing), *t.shape[1:]), t.dtype)
                 stats.bytes += staged[name].numel() * staged[name].element_size()
+            if headers:
+                staged = _decode_payload(mgr, headers, staged)
             for name, want in meta.get("checksums", {}).items():
                 got = _crc(staged[name].cpu())
                 if got != want:
