@@ -79,27 +79,39 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
         rows.append(f"| {op} | {impl} | {cfg} | {ms:.3f} | {gbps:.3g} | {100 * gbps / ceiling:.3g}% |")
 
     row("d2d copy (ceiling)", "torch", "-", copy_ms, 2 * raw)
+    best = {}
     if use_triton:
-        sweep = [(br, nw) for br in (8, 16, 32, 64) for nw in (4, 8)] if cuda else [(16, 4)]
+        # encode: block_r None = the whole slab in registers (one pass); else row tiles
+        enc_sweep = ([(None, 8), (None, 16), (None, 32), (16, 4), (32, 4), (32, 8)] if cuda
+                     else [(None, 4)])
+        dec_sweep = ([(br, nw) for br in (8, 16, 32, 64) for nw in (2, 4, 8)] if cuda
+                     else [(16, 4)])
         out = torch.empty_like(pages)
         payload, _ = nvfp4_encode(pages)
-        for br, nw in sweep:
-            ms = time_ms(lambda: nvfp4_encode(pages, block_r=br, num_warps=nw), device, repeat)
-            row("encode", "triton", f"block_r={br} warps={nw}", ms, raw + packed)
-        for br, nw in sweep:
-            ms = time_ms(lambda: nvfp4_decode(payload, out, block_r=br, num_warps=nw), device,
-                         repeat)
-            row("decode", "triton", f"block_r={br} warps={nw}", ms, packed + raw)
+        for op, sweep in (("encode", enc_sweep), ("decode", dec_sweep)):
+            for br, nw in sweep:
+                if op == "encode":
+                    ms = time_ms(lambda: nvfp4_encode(pages, block_r=br, num_warps=nw), device,
+                                 repeat)
+                else:
+                    ms = time_ms(lambda: nvfp4_decode(payload, out, block_r=br, num_warps=nw),
+                                 device, repeat)
+                cfg = f"block_r={br or 'slab'} warps={nw}"
+                row(op, "triton", cfg, ms, raw + packed)
+                if op not in best or ms < best[op][1]:
+                    best[op] = (cfg, ms)
         # the tiers' path: encode half the pages of a pool in place (page_ids, no gather)
         ids = torch.randperm(n, device=device)[: n // 2]
         ms = time_ms(lambda: nvfp4_encode(pages, ids), device, repeat)
-        row("encode pool[page_ids] (n/2)", "triton", "block_r=16 warps=4", ms,
+        row("encode pool[page_ids] (n/2)", "triton", "default", ms,
             (raw + packed) // n * ids.numel())
+        # the oracle is the reference run on CPU copies (torch's CUDA kernels are not the spec)
         k = min(n, 8)
-        ref_payload, _ = nvfp4_encode_ref(pages[:k])
-        same_enc = torch.equal(payload[:k], ref_payload)
-        o1 = nvfp4_decode_ref(ref_payload, torch.empty_like(pages[:k]))
-        o2 = nvfp4_decode(ref_payload, torch.empty_like(pages[:k]))
+        host = pages[:k].cpu()
+        ref_payload, _ = nvfp4_encode_ref(host)
+        same_enc = torch.equal(payload[:k].cpu(), ref_payload)
+        o1 = nvfp4_decode_ref(ref_payload, torch.empty_like(host))
+        o2 = nvfp4_decode(ref_payload.to(device), torch.empty_like(pages[:k])).cpu()
         exact = same_enc and torch.equal(o1.view(torch.int16), o2.view(torch.int16))
     else:
         exact = None
@@ -122,8 +134,12 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
         f"({'CUDA events' if cuda else 'perf_counter'}); GB/s counts bytes read + written once; "
         f"ceiling = device-to-device copy of the same pages in the same run "
         f"({ceiling:.0f} GB/s).",
-        f"Triton vs torch reference, first {min(n, 8)} pages, encoded bytes and decoded values: "
+        f"Triton vs torch reference (run on CPU copies), first {min(n, 8)} pages, encoded bytes "
+        f"and decoded values: "
         f"{'bit-exact' if exact else ('DIFFER' if exact is False else 'not run (no Triton)')}.",
+        *[f"Best {op}: {cfg}, {raw_plus / ms / 1e6:.0f} GB/s = "
+          f"{100 * raw_plus / ms / 1e6 / ceiling:.1f}% of the copy ceiling."
+          for op, (cfg, ms) in best.items() for raw_plus in [raw + packed]],
         "",
         "| op | implementation | config | ms | GB/s | % of copy |",
         "|---|---|---|---|---|---|",

@@ -34,7 +34,8 @@ class NVFP4Codec(Codec):
     version = 1
     lossless = False
 
-    def __init__(self, backend: Backend = "auto", block_r: int = 16, num_warps: int = 4) -> None:
+    def __init__(self, backend: Backend = "auto", block_r: int | None = None,
+                 num_warps: int | None = None) -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"nvfp4 backend must be 'auto', 'triton' or 'torch', got {backend!r}")
         self.backend = backend
@@ -72,7 +73,7 @@ class NVFP4Codec(Codec):
             raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
         dt = canonical_dtype(pages.dtype)
         fn = nvfp4_encode if self._use_triton(pages.device) else nvfp4_encode_ref
-        kw = {"block_r": self.block_r, "num_warps": self.num_warps} if fn is nvfp4_encode else {}
+        kw = self._tuning() if fn is nvfp4_encode else {}
         payload, finite = fn(pages, page_ids, **kw)
         bad = (~finite).nonzero().flatten().tolist()  # one sync: the caller must know now
         if bad and errors == "raise":
@@ -162,9 +163,14 @@ class NVFP4Codec(Codec):
                      ) -> None:
         rows = rows.to(out.device, non_blocking=True)
         if self._use_triton(out.device):
-            nvfp4_decode(rows, out, ids, block_r=self.block_r, num_warps=self.num_warps)
+            nvfp4_decode(rows, out, ids, **self._tuning())
         else:
             nvfp4_decode_ref(rows, out, ids)
+
+    def _tuning(self) -> dict[str, int]:
+        """Kernel knobs the caller set (else each kernel's tuned defaults)."""
+        kw = {"block_r": self.block_r, "num_warps": self.num_warps}
+        return {k: v for k, v in kw.items() if v is not None}
 
     def encoded_nbytes(self, spec: Any, page_size: int) -> int:
         return nvfp4_layout(2 * spec.num_layers, spec.num_kv_heads * page_size, spec.head_dim)[3]

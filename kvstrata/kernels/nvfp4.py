@@ -15,17 +15,32 @@ offset     size (bytes)          content
 
 A value decodes as ``e2m1 * e4m3 * g`` computed in fp32 (``e2m1 * e4m3`` is exact, so there is a
 single rounding) and is then rounded to the output dtype. Encoding: block scale
-``e4m3 = RN_e4m3(min(blockmax / (6 g), 448))``, element ``RNE_e2m1(|x| / (e4m3 * g))`` saturating
-at 6; a zero scale encodes its block as zeros.
+``e4m3 = RN_e4m3(min(blockmax / (6 g), 448))``, step ``d = RN(e4m3 * g)``, element
+``RNE_e2m1(|x| * RN(1 / d))`` saturating at 6 (the element is scaled by the reciprocal step, as
+NVFP4 quantizers do: one multiply per element instead of a divide); a zero step encodes its block
+as zeros. Every rounding above is an fp32 IEEE round-to-nearest-even.
 
 Bit-exactness between the kernels and the reference (and between GPU and interpreter) rests on:
-every float operation is one IEEE-rounded multiply or ``div_rn`` divide (no sums a compiler could
-fuse into an FMA); E4M3 and bf16 rounding are integer arithmetic; bf16 is widened and narrowed by
-hand (the interpreter's bf16 casts mishandle subnormals and truncate). Triton's libdevice runs with
+every float operation is one IEEE-rounded multiply, add or ``div_rn`` divide whose operands make
+an FMA contraction harmless (products by powers of two are exact); E4M3 rounding is integer
+arithmetic; bf16 inputs are widened by hand. The reference divides tensor by tensor, never by a
+Python scalar: on CUDA, torch turns ``t / scalar`` into ``t * (1 / scalar)``, which is not the
+correctly rounded quotient (that made the reference differ between CPU and GPU). Triton runs with
 flush-to-zero on GPUs, so no subnormal may matter: a slab with ``g < 2**-115`` is stored as zeros
-(amax below ~1.1e-31), which makes every ``d = e4m3 * g >= 2**-124``; an fp32-subnormal ``|x|`` then
-has ``|x| / d <= 0.25`` and encodes as 0 whether or not it is flushed. Slabs with NaN, Inf or
+(amax below ~1.1e-31), which makes every nonzero ``d >= 2**-124`` and ``1/d <= 2**124``; an
+fp32-subnormal ``|x|`` then has ``|x| / d < 0.25`` and encodes as 0 whether or not it is flushed,
+and every decoded magnitude is 0 or at least ``2**-125`` (normal). Slabs with NaN, Inf or
 ``amax >= 2**127`` (whose decode could overflow fp32) are flagged as not encodable.
+
+Kernels (GPU path). Encode: one program per slab (page, layer, K/V); when the slab fits
+(``rows * head_dim <= ONE_PASS_ELEMS``) it is loaded once into registers, its amax reduced and
+then quantized from registers, so HBM sees each input byte once. Each thread owns whole 16-element
+blocks (two 8-element halves), so block maxima, scales and nibble packing need no shuffles; the
+E2M1 code is ``min(RN(2y + C), RN(y + 2 + C), RN(y/2 + 4 + C)) - C`` with ``C = 1.5 * 2**23``
+(FMA-pipe work instead of seven compares; saturation and the sign are applied to the packed
+word), and the 16 nibbles of a block leave as one 8-byte store. Decode: a program per ``block_r``
+rows of a slab; each thread turns one 32-bit word of codes into one 16-byte store (bf16), so
+neighbouring threads fill whole sectors.
 """
 
 from __future__ import annotations
@@ -45,6 +60,9 @@ MIN_GLOBAL_SCALE = 2.0 ** -115
 #: A slab amax at or above this is not encodable (its decode could round past the fp32 range).
 MAX_AMAX = 2.0 ** 127
 _E4M3_MIN_NORMAL = 2.0 ** -6
+#: Largest slab (rows x head_dim, padded to powers of two) the encoder keeps in registers; larger
+#: slabs are read twice (the second read mostly from L2).
+ONE_PASS_ELEMS = 16384
 
 
 def nvfp4_layout(num_slabs: int, rows: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -136,7 +154,8 @@ def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32, each page
     contiguous. page_ids: optional ``[M]`` int; encode ``pages[page_ids]`` (e.g. from a pool).
     Returns ``(payload [M, nbytes] uint8, ok [M] bool)``; a row whose page holds NaN/Inf or an
-    amax >= 2**127 is flagged ``False`` and its payload is meaningless.
+    amax >= 2**127 is flagged ``False`` and its payload is meaningless. Gives the same bytes on
+    every device (run it on CPU copies as the test oracle).
     """
     s, r, d, m = _check_pages(pages, page_ids)
     src = pages if page_ids is None else pages.index_select(0, page_ids.to(pages.device).long())
@@ -144,7 +163,7 @@ def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, 
     a = x.abs()
     ok = (torch.isfinite(a) & (a < MAX_AMAX)).reshape(m, -1).all(dim=1)
     amax = a.reshape(m, s, -1).amax(dim=2) if a.numel() else a.new_zeros(m, s)
-    g = amax / GLOBAL_DIV
+    g = amax / torch.full_like(amax, GLOBAL_DIV)  # tensor / tensor: IEEE division on CUDA too
     g = torch.where(g >= MIN_GLOBAL_SCALE, g, 0.0)
     denom = g * E2M1_MAX
     bmax = a.reshape(m, s, r, d // 16, 16).amax(dim=4)
@@ -153,8 +172,9 @@ def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, 
                                       max=E4M3_MAX), 0.0)
     bs = torch.nan_to_num(bs, nan=0.0)  # only reachable for pages flagged not ok
     bq, bcode = e4m3_round(bs)
-    dq = (bq * g[..., None, None])[..., None]
-    y = torch.where(dq > 0, a.reshape(m, s, r, d // 16, 16) / torch.where(dq > 0, dq, 1.0), 0.0)
+    dq = bq * g[..., None, None]
+    rcp = torch.where(dq > 0, torch.ones_like(dq) / torch.where(dq > 0, dq, 1.0), 0.0)
+    y = a.reshape(m, s, r, d // 16, 16) * rcp[..., None]
     c = e2m1_code(y)
     neg = (x.reshape(c.shape) < 0) & (c != 0)
     c = (c | (neg.to(torch.int32) << 3)).reshape(m, s, r, d // 2, 2)
@@ -194,16 +214,44 @@ def nvfp4_decode_ref(payload: torch.Tensor, out: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernels (GPU path; the tests run them through the interpreter)
+# Triton kernels (GPU path; the tests also run them through the interpreter)
 # ---------------------------------------------------------------------------------------------
+# Tiles are [rows, blocks, 8]: the two 8-element halves of each 16-element block are loaded as
+# separate tensors of the same layout, so one thread holds a whole block (16-byte loads of bf16).
+
+_MAGIC = 12582912.0  # 1.5 * 2**23: x + _MAGIC rounds x to an integer (RNE); bits 0x4B400000
+
 
 @triton.jit
-def _load_f32(ptrs, mask, IS_BF16: tl.constexpr):
-    if IS_BF16:  # int16 bits widened by hand: exact for subnormals on every backend
-        b = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        return (b << 16).to(tl.float32, bitcast=True)
+def _load_half(slab, off, mask, IS_BF16: tl.constexpr):
+    """8 consecutive elements per [row, block] at element offsets ``off`` [R, B, 1] (+ 0..7).
+
+    bf16 pages arrive through an int32 view (``slab`` counts int32s): each word holds elements
+    2i (low half) and 2i + 1, widened with one shift or one mask instead of extend + shift."""
+    if IS_BF16:
+        w = tl.load(slab + off // 2 + tl.arange(0, 4)[None, None, :], mask=mask, other=0)
+        even = (w << 16).to(tl.float32, bitcast=True)
+        odd = (w & -0x10000).to(tl.float32, bitcast=True)
+        return tl.reshape(tl.join(even, odd), (off.shape[0], off.shape[1], 8))
     else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(slab + off + tl.arange(0, 8)[None, None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _block_max(x_lo, x_hi):
+    """[R, B, 8] x2 -> [R, B] max |x| of each 16-element block (NaN propagates)."""
+    return tl.reduce(_max_nan(tl.abs(x_lo), tl.abs(x_hi)), 2, _max_nan)
 
 
 @triton.jit
@@ -224,11 +272,70 @@ def _e4m3_round_tl(v):
 
 
 @triton.jit
-def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, bad_ptr, page_stride, out_stride,
-                         S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, HAS_IDS: tl.constexpr, IS_BF16: tl.constexpr):
-    # One program per slab. Pass 1 reads the slab for its amax; pass 2 re-reads it (a slab is
-    # tens of KiB, so from L2) and quantizes: HBM sees each input byte about once.
+def _block_scales(bmax, g):
+    """Per block: (E4M3 code int32, reciprocal step RN(1 / RN(e4m3 * g)) or 0)."""
+    denom = g * 6.0
+    ok = denom > 0.0
+    bs = tl.where(ok, tl.minimum(tl.div_rn(bmax, tl.where(ok, denom, 1.0)), 448.0), 0.0)
+    bs = tl.where(bs == bs, bs, 0.0)  # NaN only in pages already flagged bad
+    bq, bcode = _e4m3_round_tl(bs)
+    dq = bq * g
+    pos = dq > 0.0
+    rcp = tl.where(pos, tl.div_rn(tl.zeros_like(dq) + 1.0, tl.where(pos, dq, 1.0)), 0.0)
+    return bcode, rcp
+
+
+@triton.jit
+def _e2m1_pack8(x, rcp):
+    """x [R, B, 8] fp32, rcp [R, B] -> [R, B] int32 holding the 8 nibbles (element j at 4j)."""
+    # v = 4y with y = RN(|x| * rcp): scaling rcp by 4 is exact. RNE onto the E2M1 grid: the grid
+    # {0,.5,1,1.5,2,3,4,6} maps to the codes 0..7 under min(2y, y + 2, y/2 + 4); each line is
+    # rounded once (+ 1.5 * 2**23 rounds to an integer), and rounding commutes with min because
+    # it is monotonic (ties go to even codes = even mantissas). No line adds v itself: the GPU
+    # fuses v * k + c into an FMA, harmless only because every v * k here is exact.
+    v = tl.abs(x) * (rcp * 4.0)[:, :, None]
+    u = tl.minimum(v * 0.5 + 12582912.0, tl.minimum(v * 0.25 + 12582914.0,
+                                                     v * 0.125 + 12582916.0))
+    j4 = 4 * tl.arange(0, 8)[None, None, :]
+    # code 0..8 in nibble j: sum of bits(u) << 4j minus the magic's bits summed the same way
+    # (arithmetic mod 2**32); nibbles cannot carry into each other
+    cw = tl.sum(u.to(tl.int32, bitcast=True) << j4, axis=2) - 0x3F400000
+    # saturate codes 8, 9 (y >= 7.5, only under an E4M3-subnormal step) to 7
+    sat = (cw >> 3) & 0x11111111
+    cw = (cw & ~(sat * 15)) | (sat * 7)
+    sw = tl.sum((x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << (j4 + 3), axis=2)
+    nz = (cw + 0x77777777) & -0x77777778  # bit 3 of each nibble: code != 0 (0x88888888)
+    return cw | (sw & nz)  # the sign only on nonzero codes: zero is always 0x0
+
+
+@triton.jit
+def _encode_rows(x_lo, x_hi, g, out_ptr, outw_ptr, m, s, rr, bb, out_stride, out_stride_w,
+                 S: tl.constexpr, R, D: tl.constexpr, WORDS: tl.constexpr):
+    NB: tl.constexpr = D // 16
+    bcode, rcp = _block_scales(_block_max(x_lo, x_hi), g)
+    w_lo = _e2m1_pack8(x_lo, rcp)
+    w_hi = _e2m1_pack8(x_hi, rcp)
+    smask = (rr < R)[:, None] & (bb < NB)[None, :]
+    row = rr[:, None].to(tl.int64)
+    if WORDS:  # the block's 16 nibbles as one 8-byte word (payload rows are 8-byte aligned)
+        w = (w_hi.to(tl.int64) << 32) | (w_lo.to(tl.int64) & 0xFFFFFFFF)
+        wbase = outw_ptr + m * out_stride_w + S // 2 + s * R * (D // 16)
+        tl.store(wbase + row * NB + bb[None, :], w, mask=smask)
+    else:
+        cbase = out_ptr + m * out_stride + 4 * S + s * R * (D // 2) + row * (D // 2) + bb[None, :] * 8
+        for k in tl.static_range(4):
+            tl.store(cbase + k, ((w_lo >> (8 * k)) & 0xFF).to(tl.uint8), mask=smask)
+            tl.store(cbase + 4 + k, ((w_hi >> (8 * k)) & 0xFF).to(tl.uint8), mask=smask)
+    sbase = out_ptr + m * out_stride + 4 * S + S * R * (D // 2) + s * R * NB
+    tl.store(sbase + row * NB + bb[None, :], bcode.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, page_stride, out_stride,
+                         out_stride_w, S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         NBP: tl.constexpr, ONE_PASS: tl.constexpr, HAS_IDS: tl.constexpr,
+                         IS_BF16: tl.constexpr, WORDS: tl.constexpr):
+    # One program per slab; see the module doc for the layout and the one-pass scheme.
     pid = tl.program_id(0).to(tl.int64)
     m = pid // S
     s = pid % S
@@ -236,67 +343,83 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, bad_ptr, page_stride, out_stri
         page = tl.load(ids_ptr + m).to(tl.int64)
     else:
         page = m
-    slab = x_ptr + page * page_stride + s * R * D
-    out = out_ptr + m * out_stride
+    # page_stride counts elements; for bf16 x_ptr is an int32 view (two elements per word)
+    if IS_BF16:
+        slab = x_ptr + (page * page_stride + s * R * D) // 2
+    else:
+        slab = x_ptr + page * page_stride + s * R * D
+    NB: tl.constexpr = D // 16
     rows = tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-
-    amax = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    bad = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.int32)
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + rows
-        mask = (rr < R)[:, None] & cmask[None, :]
-        a = tl.abs(_load_f32(slab + rr[:, None].to(tl.int64) * D + cols[None, :], mask, IS_BF16))
-        bad = bad | (a != a).to(tl.int32) | (a >= 1.7014118346046923e38).to(tl.int32)
-        amax = tl.maximum(amax, a)
-    amax_s = tl.max(tl.max(amax, axis=1), axis=0)
-    g = tl.div_rn(amax_s, 2688.0)
-    g = tl.where(g >= 2.407412430484045e-35, g, 0.0)  # MIN_GLOBAL_SCALE = 2**-115
-    denom = g * 6.0
-    tl.store(bad_ptr + m * S + s, tl.max(tl.max(bad, axis=1), axis=0))
+    bb = tl.arange(0, NBP)
+    col = bb[None, :, None] * 16
+    bmask = (bb < NB)[None, :, None]
+    if ONE_PASS:
+        mask = (rows < R)[:, None, None] & bmask
+        off = rows[:, None, None] * D + col
+        x_lo = _load_half(slab, off, mask, IS_BF16)
+        x_hi = _load_half(slab, off + 8, mask, IS_BF16)
+        amax = tl.reduce(tl.reduce(_block_max(x_lo, x_hi), 1, _max_nan), 0, _max_nan)
+    else:
+        acc = tl.zeros((BLOCK_R, NBP), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            rr = r0 + rows
+            mask = (rr < R)[:, None, None] & bmask
+            off = rr[:, None, None].to(tl.int64) * D + col
+            acc = _max_nan(acc, _block_max(_load_half(slab, off, mask, IS_BF16),
+                                           _load_half(slab, off + 8, mask, IS_BF16)))
+        amax = tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan)
+    g = tl.div_rn(amax, 2688.0)
+    g = tl.where(g >= 2.407412430484045e-35, g, 0.0)  # MIN_GLOBAL_SCALE = 2**-115; NaN -> 0
+    bad = (amax != amax) | (amax >= 1.7014118346046923e38)
+    tl.store(bad_ptr + m * S + s, bad.to(tl.int32))
     gbits = g.to(tl.int32, bitcast=True)
     for k in tl.static_range(4):
-        tl.store(out + s * 4 + k, ((gbits >> (8 * k)) & 0xFF).to(tl.uint8))
-
-    NB: tl.constexpr = BLOCK_D // 16
-    code_base = out + 4 * S + s * R * (D // 2)
-    scale_base = out + 4 * S + S * R * (D // 2) + s * R * (D // 16)
-    hcols = tl.arange(0, BLOCK_D // 2)
-    bcols = tl.arange(0, NB)
-    ok = denom > 0.0
-    for r0 in range(0, R, BLOCK_R):
-        rr = r0 + rows
-        mask = (rr < R)[:, None] & cmask[None, :]
-        x = _load_f32(slab + rr[:, None].to(tl.int64) * D + cols[None, :], mask, IS_BF16)
-        a3 = tl.reshape(tl.abs(x), (BLOCK_R, NB, 16))
-        bmax = tl.max(a3, axis=2)
-        bs = tl.where(ok, tl.minimum(tl.div_rn(bmax, tl.where(ok, denom, 1.0)), 448.0), 0.0)
-        bs = tl.where(bs == bs, bs, 0.0)  # NaN only in pages already flagged bad
-        bq, bcode = _e4m3_round_tl(bs)
-        dq = bq * g
-        dpos = dq > 0.0
-        y = tl.div_rn(a3, tl.where(dpos, dq, 1.0)[:, :, None])
-        y = tl.where(dpos[:, :, None], y, 0.0)
-        c = ((y > 0.25).to(tl.int32) + (y >= 0.75).to(tl.int32) + (y > 1.25).to(tl.int32)
-             + (y >= 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y >= 3.5).to(tl.int32)
-             + (y > 5.0).to(tl.int32))
-        neg = (tl.reshape(x, (BLOCK_R, NB, 16)) < 0.0) & (c != 0)
-        c = c | (neg.to(tl.int32) << 3)
-        lo, hi = tl.split(tl.reshape(c, (BLOCK_R, BLOCK_D // 2, 2)))
-        packed = (lo | (hi << 4)).to(tl.uint8)
-        rmask = (rr < R)[:, None]
-        tl.store(code_base + rr[:, None].to(tl.int64) * (D // 2) + hcols[None, :], packed,
-                 mask=rmask & (hcols < D // 2)[None, :])
-        tl.store(scale_base + rr[:, None].to(tl.int64) * (D // 16) + bcols[None, :],
-                 bcode.to(tl.uint8), mask=rmask & (bcols < D // 16)[None, :])
+        tl.store(out_ptr + m * out_stride + s * 4 + k, ((gbits >> (8 * k)) & 0xFF).to(tl.uint8))
+    if ONE_PASS:
+        _encode_rows(x_lo, x_hi, g, out_ptr, outw_ptr, m, s, rows, bb, out_stride, out_stride_w,
+                     S, R, D, WORDS)
+    else:
+        for r0 in range(0, R, BLOCK_R):
+            rr = r0 + rows
+            mask = (rr < R)[:, None, None] & bmask
+            off = rr[:, None, None].to(tl.int64) * D + col
+            _encode_rows(_load_half(slab, off, mask, IS_BF16),
+                         _load_half(slab, off + 8, mask, IS_BF16), g,
+                         out_ptr, outw_ptr, m, s, rr, bb, out_stride, out_stride_w, S, R, D, WORDS)
 
 
 @triton.jit
-def _nvfp4_decode_kernel(in_ptr, ids_ptr, out_ptr, in_stride, page_stride,
+def _e2m1_unpack8(w, bs, g):
+    """w [R, W] int32 of 8 nibbles, bs [R, W] E4M3 values, g -> [R, W, 8] fp32 values."""
+    j4 = 4 * tl.arange(0, 8)[None, None, :]
+    c = (w[:, :, None] >> j4) & 7
+    # c/2 for c < 2, else 2**(c//2 - 1) * (1 + (c & 1) / 2): bits (c + 252) << 22 give that for
+    # c >= 2 and 0.5, 0.75 for c = 0, 1, which 2q - 1 maps to 0, 0.5 (and 2q - 1 >= q for q >= 1)
+    q = (c * 4194304 + 0x3F000000).to(tl.float32, bitcast=True)
+    q = tl.minimum(q, q * 2.0 - 1.0)
+    mag = (q * bs[:, :, None]) * g  # q * bs is exact: one rounding, as in the reference
+    sign = (w[:, :, None] << (28 - j4)) & -0x80000000
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_out(ptrs, v, mask, OUT_KIND: tl.constexpr):
+    if OUT_KIND == 1:  # bf16 through int16 bits, rounded by hand (the interpreter's cast truncates)
+        vb = v.to(tl.int32, bitcast=True)
+        vb = (vb + 0x7FFF + ((vb >> 16) & 1)) >> 16
+        tl.store(ptrs, vb.to(tl.int16), mask=mask)
+    else:  # fp32, fp16, and bf16 on a GPU: the hardware cast rounds to nearest even
+        tl.store(ptrs, v.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w, page_stride,
                          S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, HAS_IDS: tl.constexpr, OUT_BF16: tl.constexpr):
+                         NWP: tl.constexpr, HAS_IDS: tl.constexpr, OUT_KIND: tl.constexpr,
+                         WORDS: tl.constexpr):
     # grid (M * S, cdiv(R, BLOCK_R)): decode has no reduction, so row tiles are independent.
+    # A thread decodes one 32-bit word of codes (8 elements) into one 16-byte store (bf16), and
+    # neighbouring threads hold neighbouring words: every store instruction fills whole sectors.
     pid = tl.program_id(0).to(tl.int64)
     rblk = tl.program_id(1)
     m = pid // S
@@ -312,35 +435,27 @@ def _nvfp4_decode_kernel(in_ptr, ids_ptr, out_ptr, in_stride, page_stride,
     g3 = tl.load(src + s * 4 + 3).to(tl.int32)
     g = (g0 | (g1 << 8) | (g2 << 16) | (g3 << 24)).to(tl.float32, bitcast=True)
 
-    NB: tl.constexpr = BLOCK_D // 16
+    NW: tl.constexpr = D // 8
     rr = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = (rr < R)[:, None]
-    hcols = tl.arange(0, BLOCK_D // 2)
-    bcols = tl.arange(0, NB)
-    code_base = src + 4 * S + s * R * (D // 2)
-    scale_base = src + 4 * S + S * R * (D // 2) + s * R * (D // 16)
-    packed = tl.load(code_base + rr[:, None].to(tl.int64) * (D // 2) + hcols[None, :],
-                     mask=rmask & (hcols < D // 2)[None, :], other=0).to(tl.int32)
-    bcode = tl.load(scale_base + rr[:, None].to(tl.int64) * (D // 16) + bcols[None, :],
-                    mask=rmask & (bcols < D // 16)[None, :], other=0).to(tl.int32)
+    ww = tl.arange(0, NWP)
+    wmask = (rr < R)[:, None] & (ww < NW)[None, :]
+    row = rr[:, None].to(tl.int64)
+    if WORDS:
+        wbase = inw_ptr + m * in_stride_w + S + s * R * (D // 8)
+        w = tl.load(wbase + row * NW + ww[None, :], mask=wmask, other=0)
+    else:
+        cbase = src + 4 * S + s * R * (D // 2) + row * (D // 2) + ww[None, :] * 4
+        w = tl.zeros((BLOCK_R, NWP), dtype=tl.int32)
+        for k in tl.static_range(4):
+            w |= tl.load(cbase + k, mask=wmask, other=0).to(tl.int32) << (8 * k)
+    sbase = src + 4 * S + S * R * (D // 2) + s * R * (D // 16)
+    bcode = tl.load(sbase + row * (D // 16) + ww[None, :] // 2, mask=wmask, other=0).to(tl.int32)
     e = bcode >> 3
     bs = tl.where(e == 0, (bcode & 7).to(tl.float32) * (1.0 / 512.0),
                   (((e + 120) << 23) | ((bcode & 7) << 20)).to(tl.float32, bitcast=True))
-    c = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_R, NB, 16))
-    mc = c & 7
-    big = ((((mc >> 1) + 126) << 23) | ((mc & 1) << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(mc < 2, mc.to(tl.float32) * 0.5, big)
-    mag = (mag * bs[:, :, None]) * g
-    val = tl.reshape(tl.where((c & 8) != 0, -mag, mag), (BLOCK_R, BLOCK_D))
-    cols = tl.arange(0, BLOCK_D)
-    dst = out_ptr + page * page_stride + s * R * D + rr[:, None].to(tl.int64) * D + cols[None, :]
-    omask = rmask & (cols < D)[None, :]
-    if OUT_BF16:  # round to bf16 bits by hand (nearest even) and store them through int16
-        vb = val.to(tl.int32, bitcast=True)
-        vb = (vb + 0x7FFF + ((vb >> 16) & 1)) >> 16
-        tl.store(dst, vb.to(tl.int16), mask=omask)
-    else:
-        tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
+    dst = (out_ptr + page * page_stride + s * R * D + row[:, :, None] * D
+           + ww[None, :, None] * 8 + tl.arange(0, 8)[None, None, :])
+    _store_out(dst, _e2m1_unpack8(w, bs, g), wmask[:, :, None], OUT_KIND)
 
 
 def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -349,39 +464,54 @@ def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return page_ids.to(device=like.device, dtype=torch.int64).contiguous()
 
 
-def _int16_if_bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+def _words(payload: torch.Tensor, nbytes: int) -> torch.Tensor | None:
+    """An int view of ``payload [M, total]`` (``nbytes``-byte words) when every row is aligned
+    to them, else None (the kernels then move codes byte by byte)."""
+    if payload.shape[1] % nbytes or payload.data_ptr() % nbytes or payload.shape[0] == 0:
+        return None
+    return payload.view(torch.int64 if nbytes == 8 else torch.int32)
 
 
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
-                 block_r: int = 16, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_r: int | None = None, num_warps: int = 8
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
     page_ids: optional ``[M]`` int; encodes ``pages[page_ids]`` without gathering them first.
-    block_r: rows (tokens x heads) per tile, a power of two. Returns ``(payload [M, nbytes]
-    uint8, ok [M] bool)`` on ``pages.device``.
+    block_r: rows (tokens x heads) per tile, a power of two; ``None`` (default) keeps the whole
+    slab in registers when it has at most ``ONE_PASS_ELEMS`` elements, else tiles of that size.
+    A ``block_r`` >= the slab's rows also means one pass. Returns ``(payload [M, nbytes] uint8,
+    ok [M] bool)`` on ``pages.device``.
     """
     s, r, d, m = _check_pages(pages, page_ids)
     total = nvfp4_layout(s, r, d)[3]
     out = torch.empty(m, total, dtype=torch.uint8, device=pages.device)
     bad = torch.zeros(m, s, dtype=torch.int32, device=pages.device)
     if m and r:
+        nbp = triton.next_power_of_2(d // 16)
+        full = triton.next_power_of_2(r)
+        if block_r is None:
+            block_r = max(1, min(full, ONE_PASS_ELEMS // (16 * nbp)))
+        one_pass = block_r >= r
+        words = _words(out, 8)
         _nvfp4_encode_kernel[(m * s,)](
-            _int16_if_bf16(pages), _ids(page_ids, pages), out, bad, pages.stride(0), total,
-            S=s, R=r, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d),
-            HAS_IDS=page_ids is not None, IS_BF16=pages.dtype == torch.bfloat16,
-            num_warps=num_warps)
+            pages.view(torch.int32) if pages.dtype == torch.bfloat16 else pages,
+            _ids(page_ids, pages), out, out if words is None else words, bad, pages.stride(0),
+            total, total // 8, S=s, R=r, D=d, BLOCK_R=full if one_pass else block_r, NBP=nbp,
+            ONE_PASS=one_pass, HAS_IDS=page_ids is not None,
+            IS_BF16=pages.dtype == torch.bfloat16, WORDS=words is not None, num_warps=num_warps)
     return out, bad.amax(dim=1) == 0 if m else torch.ones(0, dtype=torch.bool,
                                                            device=pages.device)
 
 
 def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None,
-                 *, block_r: int = 16, num_warps: int = 4) -> torch.Tensor:
+                 *, block_r: int = 8, num_warps: int = 2) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
     payload: ``[M, nbytes]`` uint8 on ``out.device``. out: ``[N, num_layers, 2, num_kv_heads,
-    page_size, head_dim]`` bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). Returns ``out``.
+    page_size, head_dim]`` bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). block_r: rows
+    per program, a power of two. Returns ``out``.
     """
     s, r, d, m = _check_pages(out, page_ids)
     _check_payload(payload, m, nvfp4_layout(s, r, d)[3])
@@ -389,9 +519,14 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
         raise ValueError(f"payload is on {payload.device}, out on {out.device}; copy it first")
     payload = payload.contiguous()
     if m and r:
+        words = _words(payload, 4)
+        bf16 = out.dtype == torch.bfloat16
+        # the interpreter's fp32 -> bf16 cast truncates, so CPU rounds by hand (same result)
+        kind = 1 if bf16 and out.device.type == "cpu" else 0
         _nvfp4_decode_kernel[(m * s, triton.cdiv(r, block_r))](
-            payload, _ids(page_ids, out), _int16_if_bf16(out), payload.stride(0), out.stride(0),
-            S=s, R=r, D=d, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d),
-            HAS_IDS=page_ids is not None, OUT_BF16=out.dtype == torch.bfloat16,
-            num_warps=num_warps)
+            payload, payload if words is None else words, _ids(page_ids, out),
+            out.view(torch.int16) if kind == 1 else out, payload.stride(0),
+            payload.shape[1] // 4, out.stride(0), S=s, R=r, D=d, BLOCK_R=block_r,
+            NWP=triton.next_power_of_2(d // 8), HAS_IDS=page_ids is not None, OUT_KIND=kind,
+            WORDS=words is not None, num_warps=num_warps)
     return out

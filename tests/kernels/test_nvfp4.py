@@ -35,16 +35,24 @@ def _both(x, ids=None, block_r=4):
     return a, b, fa, fb
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier", "tiny"])
-def test_triton_matches_reference_bit_for_bit(dtype, kind):
-    # head_dim 48 is not a power of two (masked columns); 3*5=15 rows is not a multiple of block_r
-    x = _pages((2, 2, 2, 3, 5, 48), dtype, seed=10 * DTYPES.index(dtype) + len(kind), kind=kind)
-    if kind == "tiny" and dtype == torch.float16:
-        return  # fp16 has no such values
+def _special_pages(dtype, kind, shape=(2, 2, 2, 3, 5, 48), seed=0):
+    x = _pages(shape, dtype, seed=seed, kind=kind)
     x[1, 1, 0] = 0  # an all-zero slab
     x[0, 0, 1, 1, 2, 16:32] = 0  # an all-zero block
-    a, b, fa, fb = _both(x)
+    return x
+
+
+# block_r None: the whole slab in registers (one pass); 4: row tiles, amax pass + quantize pass.
+@pytest.mark.parametrize("block_r", [None, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier", "tiny"])
+def test_triton_matches_reference_bit_for_bit(dtype, kind, block_r):
+    if kind == "tiny" and dtype == torch.float16:
+        return  # fp16 has no such values
+    # head_dim 48 is not a power of two (masked blocks); 3*5=15 rows is not a multiple of
+    # block_r; payload rows of 1636 bytes are not 8-byte aligned (byte-wise code stores)
+    x = _special_pages(dtype, kind, seed=10 * DTYPES.index(dtype) + len(kind))
+    a, b, fa, fb = _both(x, block_r=block_r)
     assert torch.equal(a, b)
     assert fa.all() and fb.all()
     o_ref, o_tri = torch.empty_like(x), torch.empty_like(x)
@@ -63,16 +71,67 @@ def test_triton_matches_reference_property(seed, dtype, layers, heads, psize, db
     x = _pages((2, layers, 2, heads, psize, 16 * dblocks), dtype, seed, kind)
     a, b, _, _ = _both(x, block_r=2)
     assert torch.equal(a, b)
+    assert torch.equal(a, _both(x, block_r=None)[1])
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     assert torch.equal(nvfp4_decode_ref(a, o1).view(torch.uint8),
                        nvfp4_decode(a, o2, block_r=2, num_warps=1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_r", [None, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aligned_payload_rows_use_word_io(dtype, block_r):
+    # 2 layers, 2 heads x 4 tokens, head_dim 64: 1168-byte rows, 8-byte aligned (int64 words)
+    x = _special_pages(dtype, "wide", shape=(3, 2, 2, 2, 4, 64), seed=7)
+    a, b, _, _ = _both(x, block_r=block_r)
+    assert a.shape[1] % 8 == 0 and torch.equal(a, b)
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    nvfp4_decode_ref(a, o1)
+    nvfp4_decode(a, o2, block_r=4, num_warps=1)
+    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+
+
+def test_e2m1_min_of_rounded_lines_equals_round_to_nearest_even():
+    # The kernels' formula: code = min(RN(2y + C), RN(y + 2 + C), RN(y/2 + 4 + C), C + 7) - C
+    lattice = torch.arange(0, 10 * 4096, dtype=torch.float32) / 4096
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0])
+    y = torch.cat([lattice, mids, torch.nextafter(mids, torch.tensor(0.0)),
+                   torch.nextafter(mids, torch.tensor(9.0)), torch.tensor([1e-40, 2.0**-126, 9.5])])
+    c = 12582912.0
+    u = torch.minimum(torch.minimum(y * 2.0 + c, y + (c + 2)),
+                      torch.minimum(y * 0.5 + (c + 4), torch.tensor(c + 7)))
+    assert torch.equal(u.view(torch.int32) - 0x4B400000, e2m1_code(y))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["gauss", "wide", "outlier", "tiny"])
+def test_cuda_triton_matches_cpu_reference(dtype, kind):
+    # The oracle runs on CPU copies: the GPU's kernels must give the CPU reference's bytes.
+    if kind == "tiny" and dtype == torch.float16:
+        return
+    shapes = [(3, 2, 2, 8, 16, 128), (2, 2, 2, 3, 5, 48)]  # Qwen3-like slab; odd unaligned one
+    for i, shape in enumerate(shapes):
+        x = _special_pages(dtype, kind, shape=shape, seed=100 * i + DTYPES.index(dtype))
+        ref, fr = nvfp4_encode_ref(x)
+        o_ref = nvfp4_decode_ref(ref, torch.empty_like(x))
+        xc = x.cuda()
+        for block_r in (None, 4):
+            got, fg = nvfp4_encode(xc, block_r=block_r)
+            assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
+        for block_r in (8, 32):
+            o = nvfp4_decode(ref.cuda(), torch.empty_like(xc), block_r=block_r)
+            assert torch.equal(o.cpu().view(torch.uint8), o_ref.view(torch.uint8))
+        ids = torch.tensor([1, 0], device="cuda")
+        got, _ = nvfp4_encode(xc, ids)
+        assert torch.equal(got.cpu(), nvfp4_encode_ref(x, ids.cpu())[0])
 
 
 def test_page_ids_gather_and_scatter_match_dense():
     pool = _pages((6, 1, 2, 2, 4, 32), torch.bfloat16, seed=3)
     ids = torch.tensor([4, 0, 5])
     dense, _ = nvfp4_encode_ref(pool[ids])
-    for fn in (nvfp4_encode_ref, lambda p, i: nvfp4_encode(p, i, block_r=4, num_warps=1)):
+    for fn in (nvfp4_encode_ref, lambda p, i: nvfp4_encode(p, i, block_r=4, num_warps=1),
+               lambda p, i: nvfp4_encode(p, i, num_warps=1)):
         got, _ = fn(pool, ids)
         assert torch.equal(got, dense)
     for fn in (nvfp4_decode_ref, lambda p, o, i: nvfp4_decode(p, o, i, block_r=4, num_warps=1)):
