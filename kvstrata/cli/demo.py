@@ -1,102 +1,126 @@
-"""Agent-style multi-turn workload over the page pool.
+"""``kvstrata demo``: an agent-style multi-turn workload on the shipped model pair, run twice.
 
-Several conversations grow turn by turn (each turn resends the conversation so far plus new text);
-the device pool is deliberately smaller than the working set, so prefix pages are reused while they
-stay cached and evicted (LRU, tail first) when they do not. Every token's K/V is a deterministic
-function of (prefix hash chain, position), written into the pool through the manager's slots, and
-every reused page is checked against a recomputation: a wrong reuse fails the demo.
+Several conversations over held-out Python stdlib modules grow turn by turn (each turn resends the
+conversation so far plus the next lines of the module). The device pool holds only half of the
+conversations at once, so cached prefixes move to a small host tier and from there to an LMDB disk
+tier (in a temporary directory; ``--keep`` keeps it), NVFP4-encoded for the target's pages and
+losslessly for the drafter's. The same prompts run with the ``paged`` drafter backend (the draft
+context is cached and reused with the prefix) and with the ``arena`` baseline (the draft context
+starts empty after a prefix hit); the table compares their acceptance length (AL) per turn.
+
+Exits 1 if a tier reports a checksum failure or mismatch, a page on disk does not verify, or two
+answers differ that must be equal (greedy decoding over K/V that never went through NVFP4).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
-HELP = "run the main demo workload"
+HELP = "multi-turn workload over the tiers: paged vs arena drafter, table + plot"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=6)
-    p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--pages", type=int, default=160, help="device pool size in pages")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64, help="answer length per turn")
+    p.add_argument("--user-bytes", type=int, default=32,
+                   help="new user text per turn (bytes of held-out source, cut at a line end)")
+    p.add_argument("--seed", type=int, default=0, help="which held-out modules and lines")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1 avoids OpenMP spin-waits on busy machines)")
+    p.add_argument("--keep", action="store_true", help="keep the disk tiers (path printed)")
+    p.add_argument("--plot", metavar="PATH", default="kvstrata-demo.png", help="PNG to write")
+    p.add_argument("--json", metavar="FILE", help="also write machine-readable results here")
+
+
+def _device(name: str):
+    import torch
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+
+
+def _verify_disk(path: str) -> tuple[int, list[str]]:
+    """Every record of a disk tier: checksums, identity, decode (as ``kvstrata inspect --verify``)."""
+    from kvstrata.tiers import DiskTier
+
+    from .inspect import _scan, _verify
+    with DiskTier(path, readonly=True) as disk:
+        rows, bad = _scan(disk)
+        failures = _verify(rows, bad)
+    return len(rows) + len(bad), [f"{path}: page {f['hash'][:16]}: {f['error']}" for f in failures]
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
-    from rich.table import Table
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvstrata.pagepool import KVCacheManager, KVGroupSpec, Namespace, PagePool
+    from kvstrata.demo import DemoConfig, report, run_demo
 
     console = Console()
-    groups = [KVGroupSpec("target", 4, 2, 64, torch.bfloat16, "nvfp4"),
-              KVGroupSpec("draft", 1, 2, 64, torch.bfloat16, "lossless")]
-    ns = Namespace("demo-target", groups, args.page_size, drafter="demo-drafter")
-    pool = PagePool(groups, args.pages, args.page_size)
-    mgr = KVCacheManager(pool, ns)
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def kv_for(tokens: torch.Tensor, positions: torch.Tensor, g: KVGroupSpec) -> torch.Tensor:
-        # [n, L, 2, H, D]: a cheap deterministic function of each token and its position
-        base = (tokens * 1009 + positions * 7919).double()
-        idx = torch.arange(g.num_layers * 2 * g.num_kv_heads * g.head_dim, dtype=torch.float64)
-        return torch.sin(base[:, None] * 1e-3 + idx[None, :]).to(g.dtype).view(
-            -1, g.num_layers, 2, g.num_kv_heads, g.head_dim)
-
-    def write(seq_id, tokens: list[int], start: int) -> None:
-        P = args.page_size
-        slots = torch.tensor(mgr.slots(seq_id, start, len(tokens)), dtype=torch.long)
-        toks = torch.tensor(tokens[start:])
-        pos = torch.arange(start, len(tokens))
-        for g in groups:
-            kv = kv_for(toks, pos, g)                       # [n, L, 2, H, D]
-            view = pool.kv[g.name]                          # [N, L, 2, H, P, D]
-            view[slots // P, :, :, :, slots % P, :] = kv
-
-    def verify(seq_id, tokens: list[int], n: int) -> None:
-        P = args.page_size
-        slots = torch.tensor(mgr.slots(seq_id, 0, n), dtype=torch.long)
-        for g in groups:
-            want = kv_for(torch.tensor(tokens[:n]), torch.arange(n), g)
-            got = pool.kv[g.name][slots // P, :, :, :, slots % P, :]
-            if not torch.equal(got, want):
-                raise SystemExit(f"demo: reused KV of {seq_id} differs from recomputation")
-
-    convs = [torch.randint(0, 50000, (int(torch.randint(40, 200, (1,), generator=gen)),),
-                           generator=gen).tolist() for _ in range(args.conversations)]
-    rows = []
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 110))   # logs and CI: do not squeeze tables
+    try:
+        device, dtype = _device(args.device)
+    except RuntimeError as e:
+        console.print(f"[red]kvstrata demo: bad --device {args.device!r}: {e}[/red]")
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and args.threads > 0:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    for turn in range(args.turns):
-        reused = total = 0
-        for c in range(args.conversations):
-            prompt = convs[c]
-            seq = mgr.admit((c, turn), prompt)
-            verify((c, turn), prompt, seq.num_cached_tokens)
-            mgr.reserve((c, turn), len(prompt))
-            write((c, turn), prompt, seq.num_cached_tokens)
-            mgr.commit((c, turn), prompt[seq.num_cached_tokens:])
-            answer = torch.randint(0, 50000, (int(torch.randint(20, 80, (1,), generator=gen)),),
-                                   generator=gen).tolist()
-            mgr.reserve((c, turn), len(prompt) + len(answer))
-            write((c, turn), prompt + answer, len(prompt))
-            mgr.commit((c, turn), answer)
-            mgr.free((c, turn))
-            pool.check_invariants()
-            reused += seq.num_cached_tokens
-            total += len(prompt)
-            user = torch.randint(0, 50000, (int(torch.randint(10, 60, (1,), generator=gen)),),
-                                 generator=gen).tolist()
-            convs[c] = prompt + answer + user
-        rows.append((turn + 1, total, reused, pool.num_evictions))
-    dt = time.perf_counter() - t0
-
-    table = Table(title=f"kvstrata demo: {args.conversations} conversations, pool {pool}")
-    for col in ("turn", "prompt tokens", "reused from device", "reuse %", "evictions (cum.)"):
-        table.add_column(col, justify="right")
-    for turn, total, reused, ev in rows:
-        table.add_row(str(turn), str(total), str(reused), f"{100 * reused / total:.1f}", str(ev))
-    console.print(table)
-    console.print(f"every reused page verified bit-exact against recomputation; {dt:.2f} s")
-    return 0
+    try:
+        cfg = DemoConfig(workdir=workdir, conversations=args.conversations, turns=args.turns,
+                         max_tokens=args.max_tokens, snippet_bytes=args.user_bytes,
+                         seed=args.seed, device=str(device), dtype=dtype)
+        console.print(f"kvstrata demo: {cfg.model} on {device} ({str(dtype).split('.')[-1]}), "
+                      f"{cfg.conversations} conversations x {cfg.turns} turns, "
+                      f"{cfg.max_tokens} new tokens per turn, device pool for "
+                      f"{cfg.max_batch_size} conversations")
+        with Progress(TextColumn("{task.description}"), BarColumn(),
+                      TextColumn("turn {task.completed}/{task.total}"), TimeElapsedColumn(),
+                      console=console, transient=True) as bar:
+            tasks = {b: bar.add_task(f"{b} drafter", total=cfg.turns) for b in ("paged", "arena")}
+            res = run_demo(cfg, progress=lambda b, done, _: bar.update(tasks[b], completed=done))
+        checked = 0
+        for r in res.runs.values():
+            n, bad = _verify_disk(r.disk_path)
+            checked += n
+            res.problems += bad
+        elapsed = time.perf_counter() - t0
+        plot = report.plot(res, args.plot)
+        console.print(report.turn_table(res))
+        console.print(report.codec_table(res))
+        console.print(report.tier_table(res))
+        console.print(f"plot: {plot.resolve()}")
+        if args.json:
+            doc = report.to_json(res, {"plot": str(plot.resolve()), "elapsed_s": elapsed,
+                                       "disk_pages_verified": checked,
+                                       "workdir": str(workdir) if args.keep else None})
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+            console.print(f"json: {Path(args.json).resolve()}")
+        if args.keep:
+            console.print(f"disk tiers kept in {workdir} (inspect with `kvstrata inspect "
+                          f"{workdir}/disk-paged`)")
+        if res.problems:
+            console.print("[red]FAILED:[/red]")
+            for p in res.problems:
+                console.print(f"  - {p}")
+            return 1
+        console.print(f"OK: {res.checked_requests} answers over exact K/V equal across backends; "
+                      f"{checked} disk pages verify; no checksum failures; {elapsed:.1f} s")
+        return 0
+    finally:
+        torch.set_num_threads(threads)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
