@@ -1,0 +1,73 @@
+"""Benchmarks through the real runtime.
+
+    kvstrata bench acceptance                       # 16 prompts x 256 tokens, 128 new, CPU fp32
+    kvstrata bench acceptance --prompts 4 --max-tokens 32 --out acc.md
+    kvstrata bench acceptance --out acc.json        # every pass, with tokens and per-step ALs
+
+``acceptance`` runs the acceptance-length suite (``kvstrata.bench.acceptance``): AL of a cold pass
+and of a warm pass (prefix from the device pool, the host tier or the disk tier) per drafter
+backend, codec pair and temperature, on held-out prompts with the shipped trained pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HELP = "run benchmark suites (acceptance length cold vs warm)"
+
+
+def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
+    from kvstrata.bench.acceptance import SCENARIOS
+
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="model and pool dtype (or 'auto')")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
+    p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    p.add_argument("--model", default="kvstrata-tiny-py",
+                   help="shipped pair name or a directory with target/ and drafter/")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
+    p.add_argument("--out", default=None,
+                   help="write the result here: markdown, or JSON when the name ends in .json")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    acc = sub.add_parser("acceptance", help="acceptance length cold vs warm, per tier and codec",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_acceptance_arguments(acc)
+    acc.set_defaults(_suite=run_acceptance)
+
+
+def run_acceptance(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvstrata.bench.acceptance import render_markdown, run_acceptance_suite
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    result = run_acceptance_suite(args.prompts, args.prompt_len, args.max_tokens, args.device,
+                                  args.dtype, args.dir, scenarios=scenarios, model=args.model,
+                                  seed=args.seed)
+    md = render_markdown(result)
+    sys.stdout.write(md)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            if args.out.endswith(".json"):
+                json.dump(result, f, indent=1)
+            else:
+                f.write(md)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return args._suite(args)
