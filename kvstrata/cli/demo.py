@@ -49,7 +49,7 @@ def _device(name: str):
 
 
 def _verify_disk(path: str) -> tuple[int, list[str]]:
-    """Every record of a disk tier: checksums, identity, decode (as ``kvstrata inspect --verify``)."""
+    """Check and decode every record of a disk tier (what ``kvstrata inspect --verify`` does)."""
     from kvstrata.tiers import DiskTier
 
     from .inspect import _scan, _verify
@@ -80,9 +80,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     try:
-        cfg = DemoConfig(workdir=workdir, conversations=args.conversations, turns=args.turns,
-                         max_tokens=args.max_tokens, snippet_bytes=args.user_bytes,
-                         seed=args.seed, device=str(device), dtype=dtype)
+        try:
+            cfg = DemoConfig(workdir=workdir, conversations=args.conversations, turns=args.turns,
+                             max_tokens=args.max_tokens, snippet_bytes=args.user_bytes,
+                             seed=args.seed, device=str(device), dtype=dtype)
+        except ValueError as e:
+            console.print(f"[red]kvstrata demo: {e}[/red]")
+            return 2
         console.print(f"kvstrata demo: {cfg.model} on {device} ({str(dtype).split('.')[-1]}), "
                       f"{cfg.conversations} conversations x {cfg.turns} turns, "
                       f"{cfg.max_tokens} new tokens per turn, device pool for "

@@ -137,7 +137,8 @@ def plot(res: DemoResult, path: str | Path) -> Path:
     ax1.set_ylabel("acceptance length (tokens / target step)")
     ax1.set_title("acceptance length per turn")
     ax1.set_xticks(turns)
-    ax1.set_ylim(bottom=0)
+    top = max([t.acceptance_length for r in (paged, arena) for t in r.turns] + [1.0])
+    ax1.set_ylim(0, top * 1.2)            # room for the value labels above the top point
     ax1.grid(alpha=0.3)
     ax1.legend(loc="lower right", fontsize=8)
     parts = [("reused from device", "reused_device", "tab:green"),

@@ -44,6 +44,9 @@ class DemoConfig:
     host_pages: int | None = None      # default: a quarter of the final working set
 
     def __post_init__(self) -> None:
+        if not isinstance(self.snippet_bytes, int) or self.snippet_bytes < 16:
+            raise ValueError(f"snippet_bytes (--user-bytes) must be an integer >= 16, got "
+                             f"{self.snippet_bytes!r}")
         for name in ("conversations", "turns", "max_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
