@@ -185,19 +185,20 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + t * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def kernel_config(group: int, head_dim: int, max_query_len: int, max_seq_len: int = 0) -> dict:
+def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
     """Tile sizes: ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill)."""
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
     block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Measured on an H200 (docs/benchmarks.md, config sweep): 32-token KV tiles win for verify
-    # (64 query rows: register pressure) and for decode up to 8k contexts; long contexts prefer 64.
+    # (64 query rows: register pressure, 4 stages hide the loads); decode keeps 64-token tiles
+    # (32 won only at batch 32 x 8k and lost 20% at batch 128).
     block_m = block_q * group_pad
     if block_m >= 64:
         block_n, stages = 32, 4
     else:
-        block_n, stages = (32 if max_seq_len <= 8192 else 64), 2
+        block_n, stages = 64, 2
     if block_d > 128:
         block_n = 32
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
@@ -222,7 +223,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    cfg = kernel_config(group, d, meta.max_query_len, meta.max_seq_len)
+    cfg = kernel_config(group, d, meta.max_query_len)
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep)
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
