@@ -73,7 +73,7 @@ def build_models(p: dict, device, dtype, target_layers=None, agree=0.0, seed=0):
             head = target.lm_head.weight if target.lm_head is not None else None
             if head is not None:
                 head[:, 0] = 0
-                head[[5, 17, 42], 0] = torch.tensor([3.0, 2.9, 2.8], dtype=head.dtype)
+                head[[5, 17, 42], 0] = torch.tensor([3.0, 2.9, 2.8], dtype=head.dtype, device=head.device)
     drafter._fingerprint = f"bench-drafter-{seed}"
     return target, drafter
 
