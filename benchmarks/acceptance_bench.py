@@ -1,7 +1,7 @@
 """Acceptance-length benchmark (issue 7): cold vs warm AL per backend, tier and codec.
 
 A thin wrapper over ``kvstrata bench acceptance`` (same options); see
-``kvstrata/bench/acceptance.py`` and ``docs/bench/acceptance.md``.
+``kvstrata/bench/acceptance.py`` and ``docs/benchmarks.md``.
 
     python benchmarks/acceptance_bench.py --device cpu --threads 2 --out /tmp/acceptance.md
 """

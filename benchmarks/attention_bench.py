@@ -1,6 +1,6 @@
 """Paged decode/verify attention vs SDPA on contiguous KV and the device copy ceiling.
 
-    python benchmarks/attention_bench.py --device cuda --out docs/bench/attention.md
+    python benchmarks/attention_bench.py --device cuda --out /tmp/out.md
     python benchmarks/attention_bench.py --device cpu            # tiny smoke test (torch path)
 
 Decode attention over bf16 KV, GQA 32/8, head_dim 128, page 16 (one layer of a paged pool with a

@@ -1,6 +1,6 @@
 """Codec benchmark: NVFP4 encode/decode bandwidth on the GPU, lossless ratio and speed per CPU core.
 
-    python benchmarks/codecs_bench.py --device cuda --out docs/bench/codecs_gpu.md   # H200, ~2 min
+    python benchmarks/codecs_bench.py --device cuda --out /tmp/out.md   # H200, ~2 min
     python benchmarks/codecs_bench.py --device cpu --out /tmp/codecs_cpu.md          # smoke + CPU
 
 GPU part: ~1 GiB of bf16 pages shaped like Qwen3-8B's target group (36 layers, 8 KV heads,

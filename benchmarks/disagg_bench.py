@@ -1,7 +1,7 @@
 """1P1D: page handoff bandwidth between the two workers, and AL 1P1D vs aggregated.
 
-    python benchmarks/disagg_bench.py --device cuda --out docs/bench/disagg_gpu.md  # 2 H200s, ~3 min
-    python benchmarks/disagg_bench.py --device cpu --out docs/bench/disagg_cpu.md   # Gloo, ~1 min
+    python benchmarks/disagg_bench.py --device cuda --out /tmp/out.md  # 2 H200s, ~3 min
+    python benchmarks/disagg_bench.py --device cpu --out /tmp/out.md   # Gloo, ~1 min
 
 Two processes (rank 0 = context worker, rank 1 = generation worker; ``cuda:rank`` on CUDA, NCCL
 there, Gloo on the CPU), started once; both parts run in them.

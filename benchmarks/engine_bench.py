@@ -12,7 +12,7 @@ Two tables (markdown):
    ratio says what a speculative step costs relative to a plain one.
 
     python benchmarks/engine_bench.py --device cpu                 # tiny, minutes on a laptop CPU
-    python benchmarks/engine_bench.py --device cuda --preset 8b --out docs/bench/engine_h200.md
+    python benchmarks/engine_bench.py --device cuda --preset 8b --out /tmp/out.md
 
 ``--target-layers`` shrinks the 8B-shaped target (fewer layers, same widths) if time or memory is
 short; the table says how many layers ran.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root:
-#   bash benchmarks/gpu_run.sh [STEP ...]      steps: info tests codecs attention tiers engine
+#   bash benchmarks/gpu_run.sh [STEP ...]      steps: info tests codecs attention tiers engine disagg (disagg needs 2 GPUs)
 # Installs the carried wheels (.whl: zstandard, lmdb, dflash), then runs each step, writing
 # markdown to $OUT/<step>.md and logs to $OUT/<step>.log. Missing scripts are skipped.
 set -uo pipefail

@@ -1,7 +1,7 @@
 """Tier throughput: device<->host page moves vs pinned PCIe, and the disk tier vs a plain file.
 
-    python benchmarks/tiers_bench.py --device cuda --out docs/bench/tiers_gpu.md   # H200, ~2 min
-    python benchmarks/tiers_bench.py --device cpu --out docs/bench/tiers_cpu.md    # disk + smoke
+    python benchmarks/tiers_bench.py --device cuda --out /tmp/out.md   # H200, ~2 min
+    python benchmarks/tiers_bench.py --device cpu --out /tmp/out.md    # disk + smoke
 
 Transfers (``--device``): a pool of Qwen3-8B-shaped target pages ([36, 2, 8, 16, 128] bf16,
 2.25 MiB per page; ``--tiny`` shrinks them for a smoke test) and a TierManager with a host tier

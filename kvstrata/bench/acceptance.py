@@ -24,7 +24,7 @@ Scenarios (:data:`SCENARIOS`):
   warm from the device pool.
 
 :func:`run_acceptance_suite` returns a JSON-able dict; :func:`render_markdown` turns it into the
-table in ``docs/bench/acceptance.md``.
+table in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from .base import Codec, CorruptPageError, EncodedPage, crc32, register_codec
 #: (hash_log 6, min_match 7) makes zstd close to a pure Huffman coder, which is what exponent bytes
 #: need. On bf16 KV pages it compresses ~3x faster than level 1 *and* ~15% smaller, because the
 #: short matches level 1 finds in exponent noise cost more than they save (measurements in
-#: docs/bench/codecs.md, from benchmarks/codecs_bench.py).
+#: docs/benchmarks.md (Codecs), from benchmarks/codecs_bench.py).
 ENTROPY_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6,
                       search_log=1, min_match=7, target_length=0)
 
