@@ -1,4 +1,4 @@
-"""The ``kvstrata`` command. Each subcommand lives in its own module with ``add_parser``/``run``."""
+"""The ``kvstrata`` command. Each subcommand lives in its own module with ``HELP``, ``add_arguments`` and ``run``."""
 
 from __future__ import annotations
 
