@@ -129,7 +129,7 @@ def _al(outs):
 def _serve_al(rank, dev, a, ch):
     from kvstrata.runtime import LLM, CacheConfig, SamplingParams
     from kvstrata.runtime.disagg.workers import ContextWorker, GenerationWorker
-    from kvstrata.training.corpus import heldout_prompts
+    from kvstrata.assets.corpus import heldout_prompts
     prompts = heldout_prompts(a.prompts, a.prompt_len, seed=0)
     sp = SamplingParams(max_tokens=a.max_tokens)
     out = {}

@@ -9,6 +9,9 @@ data: ``config.json`` + ``model.safetensors`` each). Names::
 
 An existing directory path is returned unchanged, so callers can accept either a name or a path.
 The weights are produced by ``scripts/train_tiny_pair.sh`` (see ``docs/training.md``).
+:mod:`kvstrata.assets.corpus` defines the data they were trained on and the fixed held-out split
+that benchmarks, the demo and the disaggregation launcher draw prompts from (it lives here, low in
+the layering, so those upper layers need not import the trainers).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def run_acceptance_suite(n_prompts: int = 16, prompt_len: int = 256, max_tokens:
     """Run the acceptance scenarios on ``n_prompts`` held-out prompts; returns a JSON-able dict.
 
     Args:
-        n_prompts, prompt_len: held-out prompts (``kvstrata.training.corpus.heldout_prompts``).
+        n_prompts, prompt_len: held-out prompts (``kvstrata.assets.corpus.heldout_prompts``).
         max_tokens: new tokens per prompt.
         device, dtype: where and in what dtype the models and the page pool live.
         tmpdir: directory for the disk tiers (one LMDB per tiered scenario, created inside);
@@ -274,7 +274,7 @@ def run_acceptance_suite(n_prompts: int = 16, prompt_len: int = 256, max_tokens:
 
     Returns ``{"conditions": {...}, "passes": [PassResult as dict + tok_s, met]}``.
     """
-    from ..training.corpus import heldout_prompts
+    from ..assets.corpus import heldout_prompts
 
     scenarios = tuple(scenarios)
     unknown = [s for s in scenarios if s not in SCENARIOS]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import tokenizer as tok
-from ..training.corpus import corpus_files, stdlib_root
+from ..assets.corpus import corpus_files, stdlib_root
 
 PREAMBLE = '"""Agent session: each turn pastes more of a module; continue the code."""\n'
 

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         eval_prompts=a.eval_prompts, eval_new_tokens=a.eval_new_tokens, seed=a.drafter_seed)
     train_tokens = None
     if a.smoke:
-        from .corpus import load_tokens
+        from ..assets.corpus import load_tokens
 
         train_tokens = load_tokens("train")[:300_000]
         tcfg = replace(tcfg, steps=min(tcfg.steps, 30), batch_size=4, seq_len=128, warmup=5,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tokenizer as tok
-from .corpus import TokenStream, corpus_files, heldout_prompts, line_prompts, load_tokens
+from ..assets.corpus import TokenStream, corpus_files, heldout_prompts, line_prompts, load_tokens
 from .dflash_dense import DenseDFlash, position_weights
 from .evaluate import (acceptance_length, check_taps, draft_logits, greedy_generate,
                        load_hf_target, target_taps)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import tokenizer as tok
-from .corpus import TokenStream, load_tokens
+from ..assets.corpus import TokenStream, load_tokens
 from .loop import Clock, autocast, log, make_optimizer, resolve_device, seed_everything, set_lr
 
 

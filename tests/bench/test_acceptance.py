@@ -77,7 +77,7 @@ def test_arena_drafts_from_the_unreused_tail_only():
     """After a prefix hit the arena opens at the first uncached position and holds only the
     recomputed tail at the first draft: the behaviour production engines have."""
     from kvstrata.runtime import LLM, CacheConfig, SamplingParams
-    from kvstrata.training.corpus import heldout_prompts
+    from kvstrata.assets.corpus import heldout_prompts
 
     prompts = heldout_prompts(2, 80, seed=1)
     llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py",

@@ -18,7 +18,7 @@ from kvstrata.runtime.disagg.launcher import launch_1p1d
 from kvstrata.runtime.disagg.workers import (ContextWorker, GenerationWorker, LoopbackChannel,
                                              loopback_pair)
 from kvstrata.runtime.scheduler import PREFILLED
-from kvstrata.training.corpus import heldout_prompts
+from kvstrata.assets.corpus import heldout_prompts
 
 PAIR = "kvstrata-tiny-py"
 PROMPTS = heldout_prompts(3, 64, seed=0)

@@ -10,7 +10,7 @@ pytest.importorskip("safetensors")
 
 from kvstrata import tokenizer as tok  # noqa: E402
 from kvstrata.training.__main__ import main  # noqa: E402
-from kvstrata.training.corpus import heldout_prompts  # noqa: E402
+from kvstrata.assets.corpus import heldout_prompts  # noqa: E402
 from kvstrata.training.drafter import load_drafter  # noqa: E402
 from kvstrata.training.evaluate import acceptance_length, load_hf_target  # noqa: E402
 

@@ -7,7 +7,7 @@ import torch
 
 from kvstrata import assets
 from kvstrata import tokenizer as tok
-from kvstrata.training import corpus
+from kvstrata.assets import corpus
 from kvstrata.training.dflash_dense import block_mask, gather_blocks, position_weights
 from kvstrata.training.drafter import drafter_config, sample_anchors, spread_taps
 

@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--drafter-backend", choices=("paged", "arena"), default="paged")
     ap.add_argument("--max-seq-len", type=int, default=512)
     a = ap.parse_args(argv)
-    from ...training.corpus import heldout_prompts
+    from ...assets.corpus import heldout_prompts
     prompts = heldout_prompts(a.num_prompts, a.prompt_len, 0)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
     cache = CacheConfig(max_seq_len=a.max_seq_len, max_batch_size=max(1, a.num_prompts),

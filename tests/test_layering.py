@@ -1,0 +1,65 @@
+"""DESIGN.md's layering, enforced: a module imports only from its own layer or the layers below.
+
+kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo, testing, cli);
+``dtypes`` and ``tokenizer`` are leaves every layer may use, ``assets`` sits just above them.
+Imports inside functions count too (a lazy import upward is still an upward dependency).
+"""
+
+import ast
+from pathlib import Path
+
+import kvstrata
+
+ROOT = Path(kvstrata.__file__).resolve().parent
+RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "kernels": 2, "codecs": 3, "pagepool": 4,
+        "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8, "demo": 8,
+        "testing": 8, "cli": 9}
+
+
+def _top(module_path: Path) -> str:
+    rel = module_path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+def _imported_tops(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    pkg_parts = list(path.relative_to(ROOT).parts[:-1])
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg_parts[:len(pkg_parts) - (node.level - 1)]
+                parts = base + (node.module.split(".") if node.module else [])
+                if not parts:          # `from .. import x` at the package root: x is the module
+                    parts = [a.name for a in node.names]
+                    out.update(p for p in parts if p in RANK)
+                    continue
+                out.add(parts[0])
+            elif node.module and node.module.split(".")[0] == "kvstrata":
+                mod = node.module.split(".")
+                out.update([mod[1]] if len(mod) > 1 else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                mod = a.name.split(".")
+                if mod[0] == "kvstrata" and len(mod) > 1:
+                    out.add(mod[1])
+    return {t for t in out if t in RANK}
+
+
+def test_every_package_is_ranked():
+    tops = {p.name.removesuffix(".py") for p in ROOT.iterdir()
+            if (p.is_dir() and (p / "__init__.py").exists()) or
+            (p.suffix == ".py" and p.name != "__init__.py")}
+    assert tops <= set(RANK), f"unranked top-level modules: {tops - set(RANK)}"
+
+
+def test_imports_only_point_down():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent == ROOT:
+            continue
+        me = _top(path)
+        for dep in _imported_tops(path):
+            if dep != me and RANK[dep] >= RANK[me]:
+                bad.append(f"{path.relative_to(ROOT)} ({me}) imports {dep}")
+    assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
