@@ -25,9 +25,10 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention, plan_attention
 from ..kernels.kv_write import write_kv
+from ..nn.layers import RMSNorm, SwiGLUMLP, apply_rotary, rope_cos_sin
+from ..nn.loader import load_safetensors_dir
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
-from .nn import RMSNorm, SwiGLU, apply_rope, load_safetensors_dir, rope_cos_sin
 
 #: attn(layer, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D]
 DraftAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -49,7 +50,7 @@ class _Layer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = _Attn(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -124,7 +125,8 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             a = layer.self_attn
             k = a.k_norm(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim))
-            yield apply_rope(k, cos, sin), a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
+            v = a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
+            yield apply_rotary(k, cos, sin), v
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
                       kv_cache: Tensor, impl: str = "auto") -> None:
@@ -147,10 +149,10 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(h).view(T, c.num_attention_heads, c.head_dim)),
-                           cos, sin)
-            k = apply_rope(a.k_norm(a.k_proj(h).view(T, c.num_key_value_heads, c.head_dim)),
-                           cos, sin)
+            q = apply_rotary(a.q_norm(a.q_proj(h).view(T, c.num_attention_heads, c.head_dim)),
+                             cos, sin)
+            k = apply_rotary(a.k_norm(a.k_proj(h).view(T, c.num_key_value_heads, c.head_dim)),
+                             cos, sin)
             v = a.v_proj(h).view(T, c.num_key_value_heads, c.head_dim)
             x = x + a.o_proj(attn(i, q, k, v).reshape(T, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import AttentionMetadata, paged_attention
 from ..kernels.kv_write import write_kv
+from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from ..nn.loader import CheckpointError, load_safetensors_dir, read_config
 from ..pagepool.spec import KVGroupSpec
-from .layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
-from .loader import CheckpointError, load_safetensors_dir, read_config
 
 _ARCHS = ("Qwen3ForCausalLM", "Qwen3Model")
 

@@ -28,22 +28,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.layers import AttentionProjections, RMSNorm, SwiGLUMLP
+from ..nn.layers import AttentionProjections, RMSNorm, SwiGLUMLP, rope_cos_sin
 
 
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     """Rotate-half RoPE. x ``[b, heads, T, D]``, pos ``[b, T]`` int64 -> x's shape and dtype."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    f = pos.float()[..., None] * inv
-    emb = torch.cat([f, f], dim=-1)[:, None]  # [b, 1, T, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    cos, sin = rope_cos_sin(pos, d, theta, x.dtype)
+    cos, sin = cos[:, None], sin[:, None]  # [b, 1, T, D]
     rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
     return x * cos + rot * sin
 
 
 class DraftAttention(AttentionProjections):
-    """Qwen3 attention weights (the runtime's projections) with DFlash's batched block forward."""
+    """Qwen3 attention weights (the shared ``AttentionProjections``) with DFlash's batched block
+    forward."""
 
     def _kv(self, x: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape

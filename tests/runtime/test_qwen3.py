@@ -13,7 +13,7 @@ from kvstrata.kernels.attention import plan_attention  # noqa: E402
 from kvstrata.pagepool.hashing import Namespace  # noqa: E402
 from kvstrata.pagepool.manager import KVCacheManager  # noqa: E402
 from kvstrata.pagepool.pool import PagePool  # noqa: E402
-from kvstrata.runtime.loader import CheckpointError  # noqa: E402
+from kvstrata.nn.loader import CheckpointError  # noqa: E402
 from kvstrata.runtime.qwen3 import Qwen3Config, Qwen3Model  # noqa: E402
 
 PAGE = 4

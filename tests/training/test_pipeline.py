@@ -35,7 +35,7 @@ def test_outputs_and_summary(pair):
 
 def test_kvstrata_loaders_accept_the_dirs(pair):
     from kvstrata.drafter.config import DFlashConfig
-    from kvstrata.runtime.loader import load_safetensors_dir
+    from kvstrata.nn.loader import load_safetensors_dir
     from kvstrata.runtime.qwen3 import Qwen3Config
 
     tc = Qwen3Config.from_dir(pair / "target")

@@ -1,4 +1,5 @@
-"""Building blocks of Qwen3-style decoders, shared by the target model and the DFlash drafter.
+"""Building blocks of Qwen3-style decoders, shared by the target model, the DFlash drafter and the
+training code.
 
 All modules take packed token-major tensors (``[T, ...]``, no batch dim): a step's tokens of every
 sequence are concatenated, as the paged-attention kernels expect. Parameter names follow the
@@ -39,9 +40,28 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None
+                  ) -> Tensor:
+    """Default RoPE inverse frequencies ``[head_dim // 2]`` float32 (the Hugging Face formula)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                         device=device).float() / head_dim))
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[Tensor, Tensor]:
+    """Default-RoPE cos/sin ``[..., head_dim]`` for positions ``[...]`` (int64), built in float32
+    on the positions' device and cast to ``dtype`` (the activation dtype).
+
+    The functional form of :class:`RotaryEmbedding` (no scaling), for callers without a module.
+    """
+    freqs = positions.float()[..., None] * rope_inv_freq(head_dim, theta, positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> tuple[Tensor, float]:
     """Inverse frequencies ``[head_dim // 2]`` float32 and the cos/sin amplitude factor."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv = rope_inv_freq(head_dim, theta)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
     if kind in (None, "default"):
         return inv, 1.0
@@ -134,4 +154,4 @@ class AttentionProjections(nn.Module):
 
 
 __all__ = ["AttentionProjections", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary",
-           "rms_norm"]
+           "rms_norm", "rope_cos_sin", "rope_inv_freq"]
