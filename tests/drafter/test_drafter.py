@@ -8,6 +8,7 @@ for the same taps, positions and cache growth, including sliding-window (causal)
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -170,3 +171,17 @@ def test_config_errors(tmp_path):
             DFlashConfig.from_dict(d)
     with pytest.raises(ValueError, match="no config.json"):
         DFlashDrafter.from_pretrained(tmp_path / "nope")
+
+
+def test_loading_needs_no_safetensors_package(monkeypatch):
+    # safetensors is an optional (ref) dependency: the drafter reads checkpoints with kvstrata.nn.
+    from kvstrata.assets import resolve_model
+
+    path = resolve_model("kvstrata-tiny-py", part="drafter")
+    want = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    got = DFlashDrafter.from_pretrained(path, dtype=torch.float32)
+    assert got.fingerprint() == want.fingerprint()
+    for (n, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), n
