@@ -18,9 +18,7 @@ Times are CUDA-event medians over ``--reps`` runs with the L2 flushed before eac
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstrata.kernels.attention import paged_attention, plan_attention  # noqa: E402
+
+from _timing import median_ms  # noqa: E402  (benchmarks/ is on sys.path when a script here runs)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 GIB = 1 << 30
@@ -59,23 +59,7 @@ class Timer:
         return self(g.replay)
 
     def __call__(self, fn) -> float:
-        fn()  # warm-up (and Triton compile)
-        times = []
-        for _ in range(self.reps):
-            if self.flush is not None:
-                self.flush.zero_()
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-        return statistics.median(times)
+        return median_ms(fn, self.device, self.reps, self.flush)
 
 
 def copy_ceiling(timer: Timer, device: torch.device, nbytes: int) -> float:

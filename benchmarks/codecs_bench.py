@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import torch
 
@@ -31,26 +29,9 @@ from kvstrata.codecs import CompressionReport, compression_report, synthetic_kv
 from kvstrata.kernels.nvfp4 import (nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
                                     nvfp4_encode_ref, nvfp4_layout)
 
+from _timing import median_ms  # benchmarks/ is on sys.path when a script here runs
+
 GIB = 1 << 30
-
-
-def time_ms(fn, device: torch.device, repeat: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, perf_counter on the CPU)."""
-    fn()  # warm-up (and compile)
-    ts = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
 
 
 def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[str]:
@@ -69,7 +50,7 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
     use_triton = cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
     dst = torch.empty_like(pages)
-    copy_ms = time_ms(lambda: dst.copy_(pages), device, repeat)
+    copy_ms = median_ms(lambda: dst.copy_(pages), device, repeat)
     ceiling = 2 * raw / copy_ms / 1e6  # GB/s, read + write
 
     rows = []
@@ -91,18 +72,18 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
         for op, sweep in (("encode", enc_sweep), ("decode", dec_sweep)):
             for br, nw in sweep:
                 if op == "encode":
-                    ms = time_ms(lambda: nvfp4_encode(pages, block_r=br, num_warps=nw), device,
-                                 repeat)
+                    ms = median_ms(lambda: nvfp4_encode(pages, block_r=br, num_warps=nw),
+                                   device, repeat)
                 else:
-                    ms = time_ms(lambda: nvfp4_decode(payload, out, block_r=br, num_warps=nw),
-                                 device, repeat)
+                    ms = median_ms(lambda: nvfp4_decode(payload, out, block_r=br, num_warps=nw),
+                                   device, repeat)
                 cfg = f"block_r={br or 'slab'} warps={nw}"
                 row(op, "triton", cfg, ms, raw + packed)
                 if op not in best or ms < best[op][1]:
                     best[op] = (cfg, ms)
         # the tiers' path: encode half the pages of a pool in place (page_ids, no gather)
         ids = torch.randperm(n, device=device)[: n // 2]
-        ms = time_ms(lambda: nvfp4_encode(pages, ids), device, repeat)
+        ms = median_ms(lambda: nvfp4_encode(pages, ids), device, repeat)
         row("encode pool[page_ids] (n/2)", "triton", "default", ms,
             (raw + packed) // n * ids.numel())
         # the oracle is the reference run on CPU copies (torch's CUDA kernels are not the spec)
@@ -116,11 +97,11 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
     else:
         exact = None
     ref_n = min(n, 64)
-    ms = time_ms(lambda: nvfp4_encode_ref(pages[:ref_n]), device, max(3, repeat // 4))
+    ms = median_ms(lambda: nvfp4_encode_ref(pages[:ref_n]), device, max(3, repeat // 4))
     row(f"encode ({ref_n} pages)", "torch reference", "-", ms,
         (raw + packed) // n * ref_n)
     pl_ref, _ = nvfp4_encode_ref(pages[:ref_n])
-    ms = time_ms(lambda: nvfp4_decode_ref(pl_ref, dst[:ref_n]), device, max(3, repeat // 4))
+    ms = median_ms(lambda: nvfp4_decode_ref(pl_ref, dst[:ref_n]), device, max(3, repeat // 4))
     row(f"decode ({ref_n} pages)", "torch reference", "-", ms, (raw + packed) // n * ref_n)
 
     dev_name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "CPU"

@@ -1,0 +1,37 @@
+"""The benchmarks' shared timer: median milliseconds of a callable after one warm-up call.
+
+On a CUDA device each run is bracketed by CUDA events on the current stream (device time, no host
+synchronisation inside the measurement); ``flush``, when given, is a buffer larger than the L2 that
+is zeroed before every run so each run starts with a cold L2 (FlashInfer's practice). Elsewhere the
+runs are timed with ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int,
+              flush: torch.Tensor | None = None) -> float:
+    """Median time (ms) of ``reps`` calls of ``fn()``, after one warm-up call (and compile)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            if flush is not None:
+                flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
