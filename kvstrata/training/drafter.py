@@ -28,7 +28,8 @@ from ..assets.corpus import TokenStream, corpus_files, heldout_prompts, line_pro
 from .dflash_dense import DenseDFlash, position_weights
 from .evaluate import (acceptance_length, check_taps, draft_logits, greedy_generate,
                        load_hf_target, target_taps)
-from .loop import Clock, autocast, log, make_optimizer, resolve_device, seed_everything, set_lr
+from .loop import (Clock, autocast, log, make_optimizer, optimizer_step, resolve_device,
+                   seed_everything, set_lr)
 
 
 def spread_taps(num_target_layers: int, n: int) -> list[int]:
@@ -222,10 +223,7 @@ def train_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         ids, anc = torch.cat(parts), torch.cat(anchors).to(dev)
         with autocast(dev):
             loss, match = block_loss(drafter, target, ids, anc, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, drafter.parameters())
         step += 1
         if step % cfg.log_every == 0 or step == 1:
             log(f"[drafter] step {step} loss {loss.item():.4f} block-AL(teacher-forced) "

@@ -95,9 +95,18 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params,
+                   max_grad_norm: float = 1.0) -> None:
+    """Backward of ``loss``, gradient clipping of ``params`` to ``max_grad_norm``, one step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stdout, flush=True)
 
 
-__all__ = ["Clock", "autocast", "log", "make_optimizer", "resolve_device", "seed_everything",
-           "set_lr"]
+__all__ = ["Clock", "autocast", "log", "make_optimizer", "optimizer_step", "resolve_device",
+           "seed_everything", "set_lr"]

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from .. import tokenizer as tok
 from ..assets.corpus import TokenStream, load_tokens
-from .loop import Clock, autocast, log, make_optimizer, resolve_device, seed_everything, set_lr
+from .loop import (Clock, autocast, log, make_optimizer, optimizer_step, resolve_device,
+                   seed_everything, set_lr)
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,7 @@ def train_target(out_dir: str | os.PathLike, *, shape: TargetShape = TargetShape
             logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, model.parameters())
         step += 1
         if step % cfg.log_every == 0 or step == 1:
             lv = loss.item()
