@@ -305,9 +305,9 @@ class LLM:
         t1 = self._sync()
         items = [(r, n, [r.tokens[-1]] + drafts.get(r, ([], None))[0]) for r, n in plan.decode]
         items += [(r, n, r.prompt[r.num_computed:r.num_computed + n]) for r, n in plan.prefill]
-        hidden, taps = self._target_forward(items)
+        hidden, taps, pos_t, slots_t = self._target_forward(items)
         t2 = self._sync()
-        self._accept(items, drafts, hidden, taps, plan)
+        self._accept(items, drafts, hidden, taps, pos_t, slots_t)
         c = self.counters
         c["steps"] += 1
         c["draft_s"] += t1 - t0
@@ -360,7 +360,8 @@ class LLM:
             at += k
         return out
 
-    def _target_forward(self, items) -> tuple[Tensor, Tensor | None]:
+    def _target_forward(self, items) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """Hidden states, concatenated taps, positions and slots of the packed step's rows."""
         dev = self.device
         ids, pos, slots, qlens, slens = [], [], [], [], []
         for r, n, toks in items:
@@ -374,14 +375,15 @@ class LLM:
         meta = plan_attention(bt, sl, qlens, page_size=self.pool.page_size, causal=True,
                               seq_lens_host=slens,
                               num_kv_heads=self.target.config.num_key_value_heads)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         hidden, cap = self.target(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(pos, dtype=torch.int64, device=dev), meta,
-            torch.tensor(slots, dtype=torch.int64, device=dev), self.pool.kv["target"],
-            capture_layers=self.taps, attn_impl=self.attn_impl)
-        return hidden, (torch.cat(cap, dim=-1) if cap else None)
+            torch.tensor(ids, dtype=torch.int64, device=dev), pos_t, meta, slots_t,
+            self.pool.kv["target"], capture_layers=self.taps, attn_impl=self.attn_impl)
+        return hidden, (torch.cat(cap, dim=-1) if cap else None), pos_t, slots_t
 
-    def _accept(self, items, drafts, hidden: Tensor, taps: Tensor | None, plan) -> None:
+    def _accept(self, items, drafts, hidden: Tensor, taps: Tensor | None, pos_t: Tensor,
+                slots_t: Tensor) -> None:
         dev = self.device
         # Rows whose logits we need: every verify row; the last row of a finished prompt.
         need, at = [], 0
@@ -441,29 +443,30 @@ class LLM:
                         # The prompt commit below still runs: a handoff carries committed pages.
                     self.counters["generated_tokens"] += 1
             at += n
-        self._write_context(commits, taps)
+        self._write_context(commits, taps, pos_t, slots_t)
         for r, toks, _ in commits:
             self.mgr.commit(r.rid_key, toks)
             r.num_computed += len(toks)
 
-    def _write_context(self, commits, taps: Tensor | None) -> None:
-        """Draft context K/V of the tokens about to be committed (both groups before commit)."""
+    def _write_context(self, commits, taps: Tensor | None, pos_t: Tensor, slots_t: Tensor
+                       ) -> None:
+        """Draft context K/V of the tokens about to be committed (both groups before commit).
+
+        ``pos_t``/``slots_t``: the step's packed positions and slots (``_target_forward``); a
+        commit's tokens are the first rows of its item, so their positions and slots are those.
+        """
         if self.drafter is None or not commits:
             return
         dev = self.device
-        rows, pos, slots = [], [], []
+        rows = []
         for r, toks, at in commits:
             s, m = r.num_computed, len(toks)
             if self.paged:
                 rows += range(at, at + m)
-                pos += range(s, s + m)
-                slots += self.mgr.slots(r.rid_key, s, s + m)
             elif m:
                 self.arena.append(r.rid_key, taps[at:at + m],
                                   torch.arange(s, s + m, device=dev))
         if self.paged and rows:
-            self.drafter.write_context(
-                taps[torch.tensor(rows, dtype=torch.int64, device=dev)],
-                torch.tensor(pos, dtype=torch.int64, device=dev),
-                torch.tensor(slots, dtype=torch.int64, device=dev), self.pool.kv["draft"],
-                impl=self.attn_impl)
+            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            self.drafter.write_context(taps[idx], pos_t[idx], slots_t[idx], self.pool.kv["draft"],
+                                       impl=self.attn_impl)
