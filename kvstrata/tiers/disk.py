@@ -1,18 +1,27 @@
 """The disk tier: an LMDB environment in a directory, one self-describing record per page hash.
 
+A record is stored as its parts ``[head, payload_0, payload_1, ...]`` (:mod:`kvstrata.tiers.record`),
+each part its own value, so a payload is handed to LMDB straight from the caller's buffer (a host
+slot) instead of being joined with its header first: LMDB copies it once into its dirty pages and
+the commit writes them.
+
 Sub-databases:
 
-- ``pages``: page hash -> record (:mod:`kvstrata.tiers.record`).
+- ``pages``: page hash -> part 0 (the record head: prefix and header, or a whole record).
+- ``payloads``: page hash || u8 i -> part i + 1 (group i's payload).
 - ``index``: page hash -> ``(access seq u64, record bytes u64)``.
 - ``lru``: big-endian access seq -> page hash, so a cursor walks pages oldest-access first. The
   order lives in the database, so a restarted process evicts in the same order.
 - ``meta``: ``seq`` (next access number) and ``bytes`` (sum of record sizes).
 
-A batch of pages is written in one transaction, so a batch is all-or-nothing: a writer killed in
-the middle of a commit leaves the previous committed state (LMDB's copy-on-write B-tree), never a
-partial page. LMDB lets any number of processes read while one writes. A write that fails (map
-full, ENOSPC, I/O error) aborts its transaction: nothing of it is visible, the error is counted and
-logged once per burst, and the caller goes on.
+A batch of pages (every part of every page) is written in one transaction, so a batch is
+all-or-nothing: a writer killed in the middle of a commit leaves the previous committed state
+(LMDB's copy-on-write B-tree), never a partial page. Parts without their head (left by a process
+that deleted only heads, e.g. an older kvstrata) are swept when a writer opens the tier; a head
+whose parts are missing reads back short, fails to parse and is deleted by its reader. LMDB lets
+any number of processes read while one writes. A write that fails (map full, ENOSPC, I/O error)
+aborts its transaction: nothing of it is visible, the error is counted and logged once per burst,
+and the caller goes on.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ log = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")          # big-endian so byte order == numeric order in the lru db
 _IDX = struct.Struct("<QQ")
 _U64 = struct.Struct("<Q")
+MAX_PARTS = 257                     # head + 256 payloads: the part index is one byte
 
 
 def tune_malloc_for_large_values(max_value_bytes: int = 32 << 20) -> bool:
@@ -97,7 +107,7 @@ class DiskTier:
         if tune_malloc and not readonly:
             tune_malloc_for_large_values()
         self.env = lmdb.open(self.path, map_size=map_size, subdir=True, readonly=readonly,
-                             max_dbs=4, max_readers=256, sync=sync, metasync=sync,
+                             max_dbs=5, max_readers=256, sync=sync, metasync=sync,
                              readahead=False, create=not readonly, lock=True)
         # Reader slots of processes that died (kill -9) would pin old pages forever.
         self.env.reader_check()
@@ -109,6 +119,12 @@ class DiskTier:
         except lmdb.NotFoundError:
             self.env.close()
             raise ValueError(f"{self.path!r} is an LMDB environment but not a kvstrata disk tier") from None
+        try:
+            self._payloads = self.env.open_db(b"payloads", create=not readonly)
+        except lmdb.NotFoundError:
+            # Written by a version that joined records: readers see whole records (which then
+            # fail the format-version check as misses), a writer creates the database.
+            self._payloads = None
         self.capacity_bytes = capacity_bytes
         if readonly:
             # Readers report the capacity the writer configured, not their own default.
@@ -125,10 +141,12 @@ class DiskTier:
         self._cap = capacity_bytes            # lowered when the map turns out to be smaller
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
         self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
-                      "deleted": 0}
+                      "deleted": 0, "orphans": 0}
         self._burst_errors = 0
         #: test hook: called inside every write transaction before commit (fault injection)
         self.before_commit: Callable[[], None] | None = None
+        if not readonly:
+            self.sweep_orphans()
 
     def close(self) -> None:
         if self.env is None:
@@ -146,11 +164,22 @@ class DiskTier:
 
     # -- reads --------------------------------------------------------------------------------
     @contextmanager
-    def reader(self) -> Iterator[Callable[[bytes], memoryview | None]]:
-        """One read transaction; yields ``get(hash) -> memoryview | None``. The views are valid
-        only inside the ``with`` block (they point into the map): copy what you keep."""
-        with self.env.begin(db=self._pages, buffers=True) as txn:
-            yield txn.get
+    def reader(self) -> Iterator[Callable[[bytes], list[memoryview] | None]]:
+        """One read transaction; yields ``get(hash) -> parts | None``, the record's stored parts
+        ``[head, payload_0, ...]`` in order (a part missing from the sequence ends it). The views
+        are valid only inside the ``with`` block (they point into the map): copy what you keep."""
+        with self.env.begin(buffers=True) as txn:
+            yield self._getter(txn)
+
+    def _getter(self, txn) -> Callable[[bytes], list | None]:
+        cur = txn.cursor(db=self._payloads) if self._payloads is not None else None
+
+        def get(h: bytes) -> list | None:
+            head = txn.get(h, db=self._pages)
+            if head is None:
+                return None
+            return [head, *_parts_of(cur, h)]
+        return get
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         with self.env.begin(db=self._index) as txn:
@@ -186,14 +215,40 @@ class DiskTier:
             return txn.stat(self._pages)["entries"]
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
-        """``(hash, record bytes)`` of every page, in one read snapshot."""
-        with self.env.begin(db=self._pages) as txn:
-            for k, v in txn.cursor():
-                yield bytes(k), bytes(v)
+        """``(hash, record bytes)`` of every page, parts joined, in one read snapshot."""
+        with self.env.begin() as txn:
+            get = self._getter(txn)
+            for k in list(txn.cursor(db=self._pages).iternext(values=False)):
+                yield k, b"".join(get(k))
+
+    def sweep_orphans(self) -> int:
+        """Delete payload parts whose head is gone; returns how many. They are invisible (every
+        lookup starts at the head) but hold space; a writer runs this when it opens the tier."""
+        if self.readonly or self._payloads is None:
+            return 0
+        with self.env.begin() as txn:
+            orphans = [k for k in txn.cursor(db=self._payloads).iternext(values=False)
+                       if txn.get(k[:-1], db=self._pages) is None]
+        if not orphans:
+            return 0
+        try:
+            with self.env.begin(write=True) as txn:
+                for k in orphans:
+                    if txn.get(k[:-1], db=self._pages) is None:   # still headless (other writers)
+                        txn.delete(k, db=self._payloads)
+        except (lmdb.Error, OSError) as e:
+            self._note_error(e)
+            return 0
+        self.stats["orphans"] += len(orphans)
+        log.info("disk tier %s: deleted %d payloads without a record head", self.path, len(orphans))
+        return len(orphans)
 
     # -- writes -------------------------------------------------------------------------------
     def put_batch(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> int:
         """Store ``(hash, record parts)`` pairs in one transaction; returns how many were stored.
+
+        Each part is stored as its own value straight from the given buffer (no join), at most
+        :data:`MAX_PARTS` per page; :meth:`reader` returns them in the same order.
 
         Pages already present only get their access refreshed. When the batch does not fit the
         capacity, the oldest pages are evicted first; a batch larger than the capacity keeps its
@@ -201,6 +256,10 @@ class DiskTier:
         """
         if self.readonly:
             raise ValueError("this DiskTier was opened readonly")
+        for h, parts in items:
+            if not 1 <= len(parts) <= MAX_PARTS:
+                raise ValueError(f"a page is stored as 1 to {MAX_PARTS} parts, page {h.hex()} "
+                                 f"has {len(parts)}")
         try:
             n = self._write(items)
         except lmdb.MapFullError as e:
@@ -251,11 +310,14 @@ class DiskTier:
                     else:
                         new.append((h, parts, sum(len(p) for p in parts)))
                 total = self._evict(txn, total, sum(n for _, _, n in new))
+                cur = txn.cursor(db=self._payloads)
                 for h, parts, size in new:
                     if total + size > self._cap:
                         break       # does not fit even after evicting everything older
-                    value = parts[0] if len(parts) == 1 else b"".join(parts)
-                    txn.put(h, value, db=self._pages)
+                    _drop_parts(cur, h)     # stale parts of a head deleted by another process
+                    txn.put(h, parts[0], db=self._pages)
+                    for i, p in enumerate(parts[1:]):
+                        txn.put(h + bytes((i,)), p, db=self._payloads)
                     txn.put(h, _IDX.pack(seq, size), db=self._index)
                     txn.put(_SEQ.pack(seq), h, db=self._lru)
                     seq += 1
@@ -294,10 +356,12 @@ class DiskTier:
             v = txn.get(h, db=self._index)
             total -= _IDX.unpack(v)[1] if v else 0
             ok = cur.next()
+        parts = txn.cursor(db=self._payloads)
         for k, h in victims:
             txn.delete(k, db=self._lru)
             txn.delete(h, db=self._index)
             txn.delete(h, db=self._pages)
+            _drop_parts(parts, h)
         self.stats["evictions"] += len(victims)
         return total
 
@@ -309,6 +373,7 @@ class DiskTier:
         try:
             with self.env.begin(write=True) as txn:
                 total = _U64.unpack(txn.get(b"bytes", db=self._meta) or _U64.pack(0))[0]
+                parts = txn.cursor(db=self._payloads)
                 for h in hashes:
                     v = txn.get(h, db=self._index)
                     if v is not None:
@@ -318,6 +383,7 @@ class DiskTier:
                         total -= size
                         n += 1
                     txn.delete(h, db=self._pages)   # also a record without an index entry
+                    _drop_parts(parts, h)
                 txn.put(b"bytes", _U64.pack(max(total, 0)), db=self._meta)
         except (lmdb.Error, OSError) as e:
             self._note_error(e)
@@ -336,3 +402,29 @@ class DiskTier:
                 "capacity_bytes": self.capacity_bytes, "effective_capacity_bytes": self._cap,
                 "map_size": self.env.info()["map_size"], "page_size_lmdb": st["psize"],
                 "opened": time.time()}
+
+
+def _parts_of(cur, h: bytes) -> list:
+    """Payload parts ``h || 0``, ``h || 1``, ... in order, stopping at the first gap."""
+    out: list = []
+    if cur is None or not cur.set_range(h):
+        return out
+    n = len(h)
+    while True:
+        k = cur.key()
+        if len(k) != n + 1 or k[n] != len(out) or bytes(k[:n]) != h:
+            return out
+        out.append(cur.value())
+        if not cur.next():
+            return out
+
+
+def _drop_parts(cur, h: bytes) -> None:
+    """Delete every payload part stored under ``h`` (a write cursor on ``payloads``)."""
+    n = len(h)
+    ok = cur.set_range(h)
+    while ok:
+        k = cur.key()
+        if len(k) != n + 1 or bytes(k[:n]) != h:
+            return
+        ok = cur.delete()

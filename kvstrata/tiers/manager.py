@@ -51,12 +51,15 @@ class TierManager:
         host_bytes: host tier capacity (at least one page slot).
         disk: an open :class:`DiskTier`, or ``None`` for host only.
         write_through: also write a page to host and disk as soon as it is hashed.
-        batch_pages: pages per copy batch (the staging buffers hold this many).
+        batch_pages: pages per copy batch.
+        chunk_pages: pages per pipelined chunk of a batch (two staging buffers of this many
+            pages per direction; chunk k's copy overlaps chunk k+1's encode/decode). Default: a
+            quarter of a batch; ``>= batch_pages``: no pipelining within a batch.
     """
 
     def __init__(self, pool: PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
                  disk: DiskTier | None = None, write_through: bool = False,
-                 batch_pages: int = 64, attach: bool = True):
+                 batch_pages: int = 64, attach: bool = True, chunk_pages: int | None = None):
         if namespace.page_size != pool.page_size:
             raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
                              f"{pool.page_size}")
@@ -74,7 +77,7 @@ class TierManager:
             raise ValueError("the tier stack needs a host tier of at least one page slot "
                              f"({self.host.slot_bytes} bytes): it stages every transfer")
         self.batch = min(batch_pages, self.host.num_slots)
-        self.mover = Mover(pool, self.host, self.codecs, self.batch)
+        self.mover = Mover(pool, self.host, self.codecs, self.batch, chunk_pages)
         self.disk = disk
         self.write_through = write_through
         self._wt_queue: list[PageInfo] = []

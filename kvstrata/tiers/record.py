@@ -4,6 +4,11 @@ Layout (all integers little-endian)::
 
     b"KVSR" | u32 header_len | u32 crc32(header) | header (msgpack) | payload_0 | payload_1 | ...
 
+A record travels either as that one buffer (``kvstrata inspect``, tests) or as its parts
+``[head, payload_0, payload_1, ...]`` where ``head`` is everything up to the end of the header:
+the disk tier stores each part as its own value so that a payload goes from the host slot into
+LMDB without being joined first. Both forms parse to the same :class:`Record`.
+
 The header holds the format version, namespace digest, page hash, parent hash, the page's token
 ids, the time it was written, and per group: name, codec name + version, dtype, shape, payload
 length, payload CRC32 and the codec's metadata. The header has its own CRC so that a flipped byte
@@ -36,7 +41,8 @@ from ..dtypes import dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
 #: Bump whenever the record layout or header schema changes; older records become misses.
-FORMAT_VERSION = 1
+#: 2: the disk tier stores head and payloads as separate values (version 1 joined them).
+FORMAT_VERSION = 2
 MAGIC = b"KVSR"
 _PREFIX = struct.Struct("<4sII")
 
@@ -83,7 +89,8 @@ class Record:
 def build_record(ns_digest: bytes, info: PageInfo, names: Sequence[str],
                  pages: Sequence[EncodedPage], payloads: Sequence[memoryview | bytes],
                  created: float | None = None) -> list[bytes | memoryview]:
-    """Record parts (prefix+header, then each payload) ready to be joined or written.
+    """Record parts ``[head, payload_0, ...]`` (head = prefix + header), ready to be written as
+    they are (the disk tier) or joined. Payloads are passed through, never copied.
 
     ``pages`` give each group's codec header; ``payloads`` the host bytes (they may differ from
     ``pages[i].payload`` when the payload sits in a host-tier slot). Checksums are computed here
@@ -102,10 +109,24 @@ def build_record(ns_digest: bytes, info: PageInfo, names: Sequence[str],
     return [_PREFIX.pack(MAGIC, len(header), crc32(header)) + header, *payloads]
 
 
-def parse_record(buf: bytes | memoryview) -> Record:
-    """Parse and structurally check a record: magic, header CRC, lengths. Payload CRCs are
-    checked by :func:`check_payloads` (they cost a pass over the data)."""
-    mv = memoryview(buf)
+def parse_record(data: bytes | memoryview | Sequence[bytes | memoryview]) -> Record:
+    """Parse and structurally check a record: magic, header CRC, version, lengths.
+
+    ``data`` is the whole record as one buffer, or its parts ``[head, payload_0, ...]`` as the
+    disk tier stores them; a single part is a whole record. With parts, the head must end where
+    the header does and there must be exactly one part of the described length per group, so a
+    head whose payloads are missing (or a payload too many) is a :class:`CorruptPageError`.
+    Payload CRCs are checked by :func:`check_payloads` (they cost a pass over the data).
+    """
+    if isinstance(data, (list, tuple)):
+        parts = [memoryview(p) for p in data]
+        if len(parts) == 1:
+            return parse_record(parts[0])
+        if not parts:
+            raise CorruptPageError("record has no parts")
+    else:
+        parts = [memoryview(data)]
+    mv = parts[0]
     if len(mv) < _PREFIX.size:
         raise CorruptPageError(f"record of {len(mv)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     magic, hlen, hcrc = _PREFIX.unpack_from(mv, 0)
@@ -128,6 +149,12 @@ def parse_record(buf: bytes | memoryview) -> Record:
         sizes = [int(g["nbytes"]) for g in header["groups"]]
     except (KeyError, TypeError, ValueError):
         raise CorruptPageError("record header has no valid group table") from None
+    if len(parts) > 1:
+        got = [len(p) for p in parts[1:]]
+        if len(mv) != end or got != sizes:
+            raise CorruptPageError(f"record parts are a {len(mv)}-byte head and payloads of {got} "
+                                   f"bytes; its header describes {end} and {sizes}")
+        return Record(header, parts[1:], hlen)
     if end + sum(sizes) != len(mv):
         raise CorruptPageError(f"record is {len(mv)} bytes; its header describes {end + sum(sizes)}")
     payloads, off = [], end
@@ -181,10 +208,12 @@ def check_groups(rec: Record, specs: Sequence[KVGroupSpec], codecs: Sequence[Cod
                                  f"{list(spec.page_shape(page_size))}")
 
 
-def verify_record(buf: bytes | memoryview, ns_digest: bytes, info: PageInfo,
-                  specs: Sequence[KVGroupSpec], codecs: Sequence[Codec], page_size: int) -> Record:
-    """Everything a promotion needs before trusting a record; raises a CorruptPageError subclass."""
-    rec = parse_record(buf)
+def verify_record(data: bytes | memoryview | Sequence[bytes | memoryview], ns_digest: bytes,
+                  info: PageInfo, specs: Sequence[KVGroupSpec], codecs: Sequence[Codec],
+                  page_size: int) -> Record:
+    """Everything a promotion needs before trusting a record (one buffer or its parts, as
+    :func:`parse_record` takes them); raises a CorruptPageError subclass."""
+    rec = parse_record(data)
     check_identity(rec, ns_digest, info)
     check_groups(rec, specs, codecs, page_size)
     check_payloads(rec)

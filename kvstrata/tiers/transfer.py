@@ -1,21 +1,31 @@
 """Page copies between the pool's device and host slots, encoding on the way down.
 
-Both directions go through a staging buffer ``[batch, slot_bytes]`` uint8 on the pool's device,
-allocated once, laid out exactly like a host slot. Down: gather + encode every group of a batch of
-pages into staging rows (device work, one op per identity group), then copy rows to their host
-slots. Up: copy host slots into staging rows, then decode every group into the pool pages. So the
-host side is touched by whole-slot copies only, and on CUDA a run of consecutive slots is one DMA.
+A batch of pages moves in chunks through two staging buffers ``[chunk, slot_bytes]`` uint8 on the
+pool's device, allocated once, laid out exactly like a host slot and used in turn. Down: gather +
+encode chunk k into its staging buffer (device work, one op per identity group), then copy its
+rows to their host slots. Up: copy chunk k's host slots into a staging buffer, then decode every
+group into the pool pages. The host side is touched by whole-slot copies only, and on CUDA a run
+of consecutive slots is one DMA.
 
-On CUDA each direction has its own stream. A batch starts after the current (compute) stream's
-work so far (the pages are final), the current stream then waits for the batch's event before it
-can reuse a page, and the host entries a D2H batch fills become visible only once its event has
-completed. On the CPU the same code runs synchronously (no streams, no events).
+On CUDA each direction has two streams: ``work`` gathers/encodes (or decodes) and ``copy`` runs
+the DMAs, ordered by events, so chunk k's copy overlaps chunk k+1's encode (or decode) and the
+copy engine does not wait for the encoder::
+
+    work:  [enc 0][enc 1]          [enc 2] ...     (enc k+2 waits for copy k: same buffer)
+    copy:         [copy 0 ][copy 1 ][copy 2 ] ...  (copy k waits for enc k)
+
+A batch starts after the current (compute) stream's work so far (the pages are final). Down, the
+compute stream waits only for the last gather/encode (the pages have been read, it may reuse
+them), and the host entries become visible once the last copy's event has completed; up, the
+compute stream waits for the last decode. On the CPU the same code runs synchronously (no
+streams, no events). ``chunk_pages >= batch_pages`` is the serialized variant: one chunk per
+batch, encode then copy.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Iterator, Sequence
 
@@ -40,47 +50,63 @@ def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
+class _Pipe:
+    """One direction's staging buffers (used in turn) and its two streams (CUDA only).
+
+    ``free[b]``: the event after which buffer ``b``'s last reader (a copy down, a decode up) is
+    done with it; the next writer of the buffer waits for it. Kept across batches.
+    """
+
+    def __init__(self, device: torch.device, chunk: int, nbuf: int, slot_bytes: int, cuda: bool):
+        self.bufs = [torch.empty((chunk, slot_bytes), dtype=torch.uint8, device=device)
+                     for _ in range(nbuf)]
+        self.free: list[object] = [None] * nbuf
+        self.work = torch.cuda.Stream(device) if cuda else None
+        self.copy = torch.cuda.Stream(device) if cuda else None
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _mark(stream):
+    """An event recorded on ``stream`` now (``None`` on the CPU, where work is already done)."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def _after(stream, ev) -> None:
+    """``stream``'s later work waits for ``ev`` (no-op on the CPU or without an event)."""
+    if stream is not None and ev is not None:
+        stream.wait_event(ev)
+
+
 class Mover:
     """Encodes/decodes and copies batches of pages between ``pool`` and ``host``."""
 
-    def __init__(self, pool: PagePool, host: HostTier, codecs: Sequence[Codec], batch_pages: int):
+    def __init__(self, pool: PagePool, host: HostTier, codecs: Sequence[Codec], batch_pages: int,
+                 chunk_pages: int | None = None):
         self.pool, self.host, self.codecs = pool, host, list(codecs)
         self.specs = list(pool.groups)
         self.device = pool.device
         self.cuda = self.device.type == "cuda"
         self.batch_pages = batch_pages
+        if chunk_pages is None:
+            chunk_pages = -(-batch_pages // 4)
+        if not isinstance(chunk_pages, int) or chunk_pages <= 0:
+            raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
+        self.chunk_pages = min(chunk_pages, batch_pages)
         self.timings = {"encode_s": 0.0, "decode_s": 0.0}
         self._timers: list[tuple[str, object, object]] = []
-        # Staging rows mirror the host slot layout; allocated once per direction.
-        shape = (batch_pages, host.slot_bytes)
-        self._down = torch.empty(shape, dtype=torch.uint8, device=self.device)
-        self._up = torch.empty(shape, dtype=torch.uint8, device=self.device)
-        if self.cuda:
-            self._d2h = torch.cuda.Stream(self.device)
-            self._h2d = torch.cuda.Stream(self.device)
-        self._last_up = None     # event of the latest H2D batch (host slots it reads)
-
-    # -- stream plumbing ------------------------------------------------------------------------
-    @contextmanager
-    def _on(self, stream) -> Iterator[object]:
-        """Run the block on ``stream`` after the compute stream's work so far; yields the
-        compute stream (inside the block ``current_stream()`` is the side stream)."""
-        if not self.cuda:
-            yield None
-            return
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            yield compute
-
-    def _finish(self, stream, compute):
-        """Event after the batch; the compute stream waits for it before touching the pages."""
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        compute.wait_event(ev)
-        return ev
+        # Two buffers per direction when a batch has several chunks (one is filled while the
+        # other is copied), one when a batch is a single chunk (nothing to overlap within it).
+        nbuf = 2 if self.chunk_pages < batch_pages else 1
+        self._down = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
+        self._up = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
+        self._last_up = None     # event after which no H2D batch reads host slots any more
 
     @contextmanager
     def _timed(self, key: str, stream=None) -> Iterator[None]:
@@ -109,50 +135,75 @@ class Mover:
             self._last_up = None
 
     # -- device -> host -----------------------------------------------------------------------------
+    def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
+        """``(chunk index, first page, pages)`` of a batch of ``n``."""
+        for c, k in enumerate(range(0, n, self.chunk_pages)):
+            yield c, k, min(self.chunk_pages, n - k)
+
     def down(self, ns: bytes, infos: Sequence[PageInfo], slots: Sequence[int]):
         """Encode pages ``infos[i].page_id`` into host slots ``slots[i]``.
 
-        Returns ``(entries, event)``: pass both to :meth:`HostTier.add`.
+        Returns ``(entries, event)``: pass both to :meth:`HostTier.add` (the event follows the
+        batch's last copy; ``None`` on the CPU).
         """
         n = len(infos)
         if n > self.batch_pages:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
-        ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
+        p = self._down
         headers: list[list[EncodedPage]] = [[] for _ in range(n)]
         sizes: list[list[int]] = [[] for _ in range(n)]
-        stream = self._d2h if self.cuda else None
-        with self._on(stream) as compute:
-            if self.cuda and self._last_up is not None:
-                self._d2h.wait_event(self._last_up)   # slots being reused may still feed an H2D
-            stage = self._down[:n]
-            for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
-                off = self.host.offsets[gi]
-                kv = self.pool.kv[spec.name]
-                if codec.name == "identity":
-                    pages = kv.index_select(0, ids)
-                    nb = spec.bytes_per_page(self.pool.page_size)
-                    stage[:, off:off + nb] = pages.reshape(n, -1).view(torch.uint8)
-                    hdr = EncodedPage(codec.name, codec.version, tuple(pages.shape[1:]),
-                                      dtype_name(spec.dtype), _EMPTY)
-                    for j in range(n):
-                        headers[j].append(hdr)
-                        sizes[j].append(nb)
-                    continue
-                with self._timed("encode_s", stream):
-                    encs = self._encode(codec, kv, ids)
-                for j, enc in enumerate(encs):
-                    if enc.nbytes > self.host.max_sizes[gi]:
-                        raise ValueError(f"codec {codec.name!r} produced {enc.nbytes} bytes for "
-                                         f"group {spec.name!r}; its bound is {self.host.max_sizes[gi]}")
-                self._stage_payloads(stage, off, encs)
-                for j, enc in enumerate(encs):
-                    headers[j].append(replace(enc, payload=_EMPTY))
-                    sizes[j].append(enc.nbytes)
-            self._rows_to_slots(stage, slots)
-            ev = self._finish(stream, compute)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            p.work.wait_stream(compute)            # the pages are final
+        encoded = done = None
+        with _on(p.work):                          # allocations below belong to the work stream
+            ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
+            for c, k, m in self._chunks(n):
+                b = c % len(p.bufs)
+                stage = p.bufs[b][:m]
+                _after(p.work, p.free[b])          # the copy that last read this buffer is done
+                self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
+                encoded = _mark(p.work)
+                _after(p.copy, encoded)
+                if c == 0:
+                    _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
+                with _on(p.copy):
+                    self._rows_to_slots(stage, slots[k:k + m])
+                p.free[b] = done = _mark(p.copy)
+        # NOTE: the compute stream only waits until the pages have been read; a page becomes
+        # visible in the host tier once `done` (the last copy; copies run in order) completed.
+        _after(compute, encoded)
         entries = [HostEntry(info, ns, s, headers[j], sizes[j]) for j, (info, s) in
                    enumerate(zip(infos, slots))]
-        return entries, ev
+        return entries, done
+
+    def _gather(self, stage: torch.Tensor, ids: torch.Tensor, headers: list[list[EncodedPage]],
+                sizes: list[list[int]]) -> None:
+        """Every group of pages ``ids`` into staging rows (identity: a gather; else encode)."""
+        n = len(headers)
+        for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
+            off = self.host.offsets[gi]
+            kv = self.pool.kv[spec.name]
+            if codec.name == "identity":
+                pages = kv.index_select(0, ids)
+                nb = spec.bytes_per_page(self.pool.page_size)
+                stage[:, off:off + nb] = pages.reshape(n, -1).view(torch.uint8)
+                hdr = EncodedPage(codec.name, codec.version, tuple(pages.shape[1:]),
+                                  dtype_name(spec.dtype), _EMPTY)
+                for j in range(n):
+                    headers[j].append(hdr)
+                    sizes[j].append(nb)
+                continue
+            with self._timed("encode_s", self._down.work):
+                encs = self._encode(codec, kv, ids)
+            for enc in encs:
+                if enc.nbytes > self.host.max_sizes[gi]:
+                    raise ValueError(f"codec {codec.name!r} produced {enc.nbytes} bytes for "
+                                     f"group {spec.name!r}; its bound is {self.host.max_sizes[gi]}")
+            self._stage_payloads(stage, off, encs)
+            for j, enc in enumerate(encs):
+                headers[j].append(replace(enc, payload=_EMPTY))
+                sizes[j].append(enc.nbytes)
 
     def _stage_payloads(self, stage: torch.Tensor, off: int, encs: list[EncodedPage]) -> None:
         sizes = {e.nbytes for e in encs}
@@ -183,34 +234,51 @@ class Mover:
         n = len(entries)
         if n > self.batch_pages:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
+        p = self._up
         slots = [e.slot for e in entries]
-        stream = self._h2d if self.cuda else None
-        with self._on(stream) as compute:
-            stage = self._up[:n]
-            for row, slot, k in _runs(slots):
-                stage[row:row + k].copy_(self.host.buf[slot:slot + k], non_blocking=self.cuda)
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            p.work.wait_stream(compute)            # compute is done with the pages' old content
+        done = None
+        with _on(p.work):                          # allocations below belong to the work stream
             ids = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
-            for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
-                off = self.host.offsets[gi]
-                kv = self.pool.kv[spec.name]
-                shape = spec.page_shape(self.pool.page_size)
-                if all(e.headers[gi].codec == "identity" for e in entries):
-                    nb = spec.bytes_per_page(self.pool.page_size)
-                    src = stage[:, off:off + nb].view(spec.dtype).reshape(n, *shape)
-                    kv.index_copy_(0, ids, src)
+            for c, k, m in self._chunks(n):
+                b = c % len(p.bufs)
+                stage = p.bufs[b][:m]
+                _after(p.copy, p.free[b])          # the decode that last read this buffer is done
+                with _on(p.copy):
+                    for row, slot, r in _runs(slots[k:k + m]):
+                        stage[row:row + r].copy_(self.host.buf[slot:slot + r],
+                                                 non_blocking=self.cuda)
+                _after(p.work, _mark(p.copy))
+                self._decode(stage, entries[k:k + m], ids[k:k + m], page_ids[k:k + m])
+                p.free[b] = done = _mark(p.work)
+        # `done` follows the last decode, which follows every copy of the batch.
+        _after(compute, done)
+        if done is not None:
+            self._last_up = done
+        return done
+
+    def _decode(self, stage: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
+                page_ids: Sequence[int]) -> None:
+        """Every group of staged host slots into pool pages ``ids`` (identity: a scatter)."""
+        n = len(entries)
+        for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
+            off = self.host.offsets[gi]
+            kv = self.pool.kv[spec.name]
+            shape = spec.page_shape(self.pool.page_size)
+            if all(e.headers[gi].codec == "identity" for e in entries):
+                nb = spec.bytes_per_page(self.pool.page_size)
+                src = stage[:, off:off + nb].view(spec.dtype).reshape(n, *shape)
+                kv.index_copy_(0, ids, src)
+                continue
+            # Host bytes were verified when they arrived: no second checksum pass.
+            encs = [replace(e.headers[gi], checksum=None, payload=stage[j, off:off + e.sizes[gi]])
+                    for j, e in enumerate(entries)]
+            with self._timed("decode_s", self._up.work):
+                batch = getattr(codec, "decode_batch_into", None)
+                if batch is not None:
+                    batch(encs, kv, ids)
                     continue
-                # Host bytes were verified when they arrived: no second checksum pass.
-                encs = [replace(e.headers[gi], checksum=None,
-                                payload=stage[j, off:off + e.sizes[gi]])
-                        for j, e in enumerate(entries)]
-                with self._timed("decode_s", stream):
-                    batch = getattr(codec, "decode_batch_into", None)
-                    if batch is not None:
-                        batch(encs, kv, ids)
-                        continue
-                    for enc, pid in zip(encs, page_ids):
-                        kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))
-            ev = self._finish(stream, compute)
-        if ev is not None:
-            self._last_up = ev
-        return ev
+                for enc, pid in zip(encs, page_ids):
+                    kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))

@@ -23,7 +23,8 @@ NS_DIGEST = b"n" * 16
 TRIALS = int(os.environ.get("KVSTRATA_KILL_TRIALS", "24"))
 
 
-def _records(n: int, seed: int) -> list[tuple[bytes, bytes]]:
+def _records(n: int, seed: int) -> list[tuple[bytes, list[bytes]]]:
+    """``(hash, record parts)``: the head and one payload per group, as the disk tier stores them."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -32,7 +33,7 @@ def _records(n: int, seed: int) -> list[tuple[bytes, bytes]]:
         encs = [c.encode(page_content(info.hash, g)) for g, c in zip(GROUPS, CODECS)]
         parts = build_record(NS_DIGEST, info, [g.name for g in GROUPS], encs,
                              [e.payload.numpy().data for e in encs])
-        out.append((info.hash, b"".join(parts)))
+        out.append((info.hash, [bytes(p) for p in parts]))
     return out
 
 
@@ -72,7 +73,7 @@ def test_kill_9_during_commits_leaves_only_whole_pages(tmp_path):
             try:
                 d = DiskTier(path, map_size=1 << 26)
                 for b in range(8):
-                    d.put_batch([(h, [v]) for h, v in records[b * 48:(b + 1) * 48]])
+                    d.put_batch(records[b * 48:(b + 1) * 48])
                     os.write(w, bytes([b]))
             finally:
                 os._exit(0)
@@ -116,11 +117,13 @@ def test_flipped_bytes_in_stored_records_are_all_detected(tmp_path):
     rng = random.Random(4)
     keys = s.disk.keys_by_age()
     assert len(keys) == 8
-    with s.disk.env.begin(write=True, db=s.disk._pages) as txn:
-        for k in keys:
-            v = bytearray(txn.get(k))
+    with s.disk.env.begin(write=True) as txn:
+        for i, k in enumerate(keys):
+            # Alternate between the head and the payload parts (one per group).
+            key, db = (k, s.disk._pages) if i % 3 == 0 else (k + bytes((i % 3 - 1,)), s.disk._payloads)
+            v = bytearray(txn.get(key, db=db))
             v[rng.randrange(len(v))] ^= 1 << rng.randrange(8)
-            txn.put(k, bytes(v))
+            txn.put(key, bytes(v), db=db)
     for p in prompts:
         seq = s.run(p)
         assert seq.num_cached_tokens == 0
@@ -152,18 +155,28 @@ def _count_verified(path, s) -> int:
     return n
 
 
-def test_record_under_another_format_version_is_a_miss(tmp_path, monkeypatch):
-    prompts = _prompts(3, 2, seed=6)
-    monkeypatch.setattr(record, "FORMAT_VERSION", 2)
+def _fill_as_version(tmp_path, monkeypatch, version, prompts) -> None:
+    monkeypatch.setattr(record, "FORMAT_VERSION", version)
     old = Stack(tmp_path)
     _fill_disk(old, prompts)
     old.tiers.close()
     monkeypatch.undo()
+
+
+def _all_miss(tmp_path, prompts) -> dict:
     s = Stack(tmp_path)
     for p in prompts:
         assert s.run(p).num_cached_tokens == 0
-    assert s.tiers.stats()["mismatches"] == 3 and len(s.disk) == 6 - 3
+    st = s.tiers.stats()
     s.tiers.close()
+    return st
+
+
+def test_record_under_another_format_version_is_a_miss(tmp_path, monkeypatch):
+    prompts = _prompts(3, 2, seed=6)
+    _fill_as_version(tmp_path, monkeypatch, record.FORMAT_VERSION + 1, prompts)
+    st = _all_miss(tmp_path, prompts)
+    assert st["mismatches"] == 3 and st["disk_pages"] == 6 - 3
 
 
 def test_record_written_under_another_namespace_is_a_miss(tmp_path):
@@ -172,11 +185,53 @@ def test_record_written_under_another_namespace_is_a_miss(tmp_path):
     _fill_disk(s, prompts)
     from kvstrata.pagepool import page_hashes
     # Plant another model's record under this model's key: same key, foreign header.
-    foreign = _records(1, seed=8)[0][1]
+    head, *payloads = _records(1, seed=8)[0][1]
     h0 = page_hashes(s.ns, prompts[0])[0]
-    with s.disk.env.begin(write=True, db=s.disk._pages) as txn:
-        txn.put(h0, foreign)
+    with s.disk.env.begin(write=True) as txn:
+        txn.put(h0, head, db=s.disk._pages)
+        for i, p in enumerate(payloads):
+            txn.put(h0 + bytes((i,)), p, db=s.disk._payloads)
     assert s.run(prompts[0]).num_cached_tokens == 0
     assert s.run(prompts[1]).num_cached_tokens == 2 * PAGE
     assert s.tiers.stats()["mismatches"] == 1
+    s.tiers.close()
+
+
+def test_version_1_joined_records_are_a_clean_miss(tmp_path, monkeypatch):
+    """A tier written by format 1: the whole record as one value, no ``payloads`` database."""
+    import lmdb
+    prompts = _prompts(2, 2, seed=9)
+    _fill_as_version(tmp_path, monkeypatch, 1, prompts)
+    with DiskTier(tmp_path / "disk", readonly=True) as r:
+        joined = dict(r.iter_records())
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=5)         # rewrite it in the v1 layout
+    pages, payloads = env.open_db(b"pages"), env.open_db(b"payloads")
+    with env.begin(write=True) as txn:
+        for k, v in joined.items():
+            txn.put(k, v, db=pages)
+        txn.drop(payloads, delete=True)
+    env.close()
+    with DiskTier(tmp_path / "disk", readonly=True) as r:       # readers cope without payloads
+        assert r._payloads is None and len(r) == 4
+        with pytest.raises(record.RecordMismatch, match="version 1"):
+            parse_record(next(r.iter_records())[1])
+    st = _all_miss(tmp_path, prompts)
+    assert st["mismatches"] == 2 and st["disk_pages"] == 4 - 2
+
+
+def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
+    prompts = _prompts(2, 2, seed=10)
+    s = Stack(tmp_path)
+    _fill_disk(s, prompts)
+    from kvstrata.pagepool import page_hashes
+    h = page_hashes(s.ns, prompts[0])[1]
+    with s.disk.env.begin(write=True) as txn:
+        assert txn.delete(h + bytes((1,)), db=s.disk._payloads)      # the second group's part
+    assert s.run(prompts[0]).cached_from["lower"] == 1
+    st = s.tiers.stats()
+    assert st["checksum_failures"] == 1 and st["mismatches"] == 0
+    assert s.disk.contains([h]) == [False]
+    with s.disk.env.begin() as txn:                                   # every part is gone
+        assert txn.get(h, db=s.disk._pages) is None
+        assert txn.get(h + bytes((0,)), db=s.disk._payloads) is None
     s.tiers.close()

@@ -89,3 +89,38 @@ def test_forged_hash_link_is_a_mismatch():
         bytes(p) for p in rec.payloads)
     with pytest.raises(RecordMismatch, match="H\\(parent"):
         verify_record(forged, NS.digest, info, GROUPS, CODECS, PAGE)
+
+
+def _parts(tokens=(1, 2, 3, 4)):
+    parent = NS.digest
+    info = PageInfo(0, hash_page(parent, tokens), parent, tuple(tokens))
+    encs = [c.encode(page_content(info.hash, g)) for g, c in zip(GROUPS, CODECS)]
+    parts = build_record(NS.digest, info, [g.name for g in GROUPS], encs,
+                         [e.payload.numpy().data for e in encs])
+    return info, [bytes(p) for p in parts]
+
+
+def test_parts_parse_like_the_joined_record():
+    info, parts = _parts()
+    a = verify_record(parts, NS.digest, info, GROUPS, CODECS, PAGE)
+    b = verify_record(b"".join(parts), NS.digest, info, GROUPS, CODECS, PAGE)
+    assert a.header == b.header and a.nbytes == b.nbytes == sum(map(len, parts))
+    assert [bytes(p) for p in a.payloads] == [bytes(p) for p in b.payloads] == parts[1:]
+    assert verify_record(tuple(parts), NS.digest, info, GROUPS, CODECS, PAGE).header == a.header
+
+
+def test_missing_extra_or_misplaced_parts_are_corrupt():
+    info, parts = _parts()
+    head, p0, p1 = parts
+    for bad in ([head, p0], [head, p0, p1, b""], [head + p0, p1],
+                [head, p0 + p1[:1], p1[1:]], [head]):
+        with pytest.raises(CorruptPageError):
+            parse_record(bad)
+    with pytest.raises(CorruptPageError):
+        parse_record([])
+    flipped = bytearray(p1)
+    flipped[len(flipped) // 2] ^= 4
+    with pytest.raises(ChecksumError, match="draft"):
+        verify_record([head, p0, bytes(flipped)], NS.digest, info, GROUPS, CODECS, PAGE)
+    with pytest.raises(ChecksumError):                  # same sizes, swapped: the CRCs catch it
+        verify_record([head, p1, p0], NS.digest, info, GROUPS, CODECS, PAGE)

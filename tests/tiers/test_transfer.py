@@ -1,0 +1,148 @@
+"""Pipelined page moves: every chunking gives the same bytes, and the event order is right."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from kvstrata.pagepool import page_hashes
+from kvstrata.tiers import TierManager, transfer
+
+from tierutil import PAGE, Stack
+
+
+def _host_bytes(s: Stack, hashes) -> list[bytes]:
+    out = []
+    for h in hashes:
+        e = s.tiers.host.get(h)
+        out.append(b"".join(s.tiers.host.payload(e, gi).numpy().tobytes()
+                            for gi in range(len(s.groups))))
+    return out
+
+
+@pytest.mark.parametrize("codecs", [("identity", "identity"), ("nvfp4", "lossless")])
+def test_every_chunking_moves_the_same_bytes(tmp_path, codecs):
+    tokens = list(range(7 * PAGE + 1))
+    ref = None
+    for chunk in (1, 2, 3, 7, 64):
+        s = Stack(tmp_path / str(chunk), num_pages=16, host_pages=8, disk=False, codecs=codecs)
+        s.tiers = TierManager(s.pool, s.ns, host_bytes=8 * TierManager.slot_bytes_for(s.pool),
+                              batch_pages=7, chunk_pages=chunk)
+        s.mgr.lower = s.tiers
+        assert s.tiers.mover.chunk_pages == min(chunk, 7)
+        assert len(s.tiers.mover._down.bufs) == (2 if chunk < 7 else 1)
+        s.run(tokens)
+        s.pool.evict(s.pool.num_cached)
+        hashes = page_hashes(s.ns, tokens)
+        got = _host_bytes(s, hashes)
+        assert ref is None or got == ref, f"chunk_pages={chunk} staged other bytes"
+        ref = got
+        seq = s.run(tokens)                  # promotes all 7 pages (checks every value)
+        assert seq.cached_from["lower"] == 7
+
+
+def test_bad_chunk_pages_is_a_value_error(tmp_path):
+    s = Stack(tmp_path, disk=False)
+    with pytest.raises(ValueError, match="chunk_pages"):
+        TierManager(s.pool, s.ns, chunk_pages=0)
+
+
+class _Trace:
+    """Stands in for CUDA streams and events: ops per stream, events as (stream, position)."""
+
+    def __init__(self):
+        self.ops: dict[str, list] = {"work": [], "copy": []}
+        self.stack: list[str] = []
+
+    @contextmanager
+    def on(self, stream):
+        self.stack.append(stream)
+        yield
+        self.stack.pop()
+
+    def mark(self, stream):
+        return (stream, len(self.ops[stream]))             # after every op so far
+
+    def after(self, stream, ev):
+        if stream is not None and ev is not None:
+            self.ops[stream].append(("wait", ev))
+
+    def op(self, what, chunk):
+        self.ops[self.stack[-1]].append((what, chunk))
+
+    def done_before(self, ev, stream, pos) -> set:
+        """Ops that surely completed before position ``pos`` of ``stream`` (waits followed)."""
+        seen, todo = set(), [(stream, pos)]
+        while todo:
+            st, p = todo.pop()
+            for i in range(p):
+                kind, arg = self.ops[st][i]
+                if kind == "wait" and arg not in seen:
+                    seen.add(arg)
+                    todo.append(arg)
+                elif kind != "wait":
+                    seen.add((st, i))
+        return seen
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_pipeline_event_order(tmp_path, monkeypatch, direction):
+    """The CUDA ordering, checked on the CPU: a copy starts after its chunk is staged, a staging
+    buffer is refilled only after its previous copy (or decode) finished, and the batch's event
+    follows every op."""
+    s = Stack(tmp_path, num_pages=16, host_pages=12, disk=False)
+    tokens = list(range(9 * PAGE + 1))
+    s.run(tokens)
+    s.pool.evict(s.pool.num_cached)
+    hashes = page_hashes(s.ns, tokens)
+    entries = [s.tiers.host.get(h) for h in hashes]
+    mover = transfer.Mover(s.pool, s.tiers.host, s.tiers.codecs, batch_pages=9, chunk_pages=2)
+    t = _Trace()
+    monkeypatch.setattr(transfer, "_on", t.on)
+    monkeypatch.setattr(transfer, "_mark", t.mark)
+    monkeypatch.setattr(transfer, "_after", t.after)
+    for p in (mover._down, mover._up):
+        p.work, p.copy = "work", "copy"
+    stage_ids = {}
+
+    def record(what, fn):
+        def wrapped(stage, *a):
+            chunk = len([o for o in t.ops[t.stack[-1]] if o[0] == what])
+            stage_ids[(what, chunk)] = stage.data_ptr()
+            t.op(what, chunk)
+            return fn(stage, *a)
+        return wrapped
+    if direction == "down":
+        monkeypatch.setattr(mover, "_gather", record("fill", mover._gather))
+        monkeypatch.setattr(mover, "_rows_to_slots", record("drain", mover._rows_to_slots))
+        _, ev = mover.down(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
+        fill, drain = "work", "copy"
+    else:
+        real_runs = transfer._runs
+        monkeypatch.setattr(mover, "_decode", record("drain", mover._decode))
+
+        def runs(slots):                      # the H2D copies of one chunk happen here
+            t.op("fill", len([o for o in t.ops["copy"] if o[0] == "fill"]))
+            return real_runs(slots)
+        monkeypatch.setattr(transfer, "_runs", runs)
+        ev = mover.up(entries, list(range(9)))
+        fill, drain = "copy", "work"
+    pos = {(kind, c): (st, i) for st, ops in t.ops.items() for i, (kind, c) in enumerate(ops)
+           if kind != "wait"}
+    chunks = 5                               # 9 pages in chunks of 2
+    assert sorted(c for k, c in pos if k == "fill") == list(range(chunks))
+    assert sorted(c for k, c in pos if k == "drain") == list(range(chunks))
+    for c in range(chunks):
+        st, i = pos[("drain", c)]
+        assert st == drain and pos[("fill", c)] in t.done_before(None, st, i), \
+            f"chunk {c} is drained before it is staged"
+        if c >= 2:
+            st, i = pos[("fill", c)]
+            assert st == fill and pos[("drain", c - 2)] in t.done_before(None, st, i), \
+                f"chunk {c} overwrites a staging buffer chunk {c - 2} still uses"
+    # The batch event follows everything; two buffers alternate.
+    assert ev is not None and all(p in t.done_before(None, *ev) for p in pos.values())
+    if direction == "down":
+        assert len({stage_ids[("fill", c)] for c in range(chunks)}) == 2
