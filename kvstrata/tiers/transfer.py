@@ -95,7 +95,11 @@ class Mover:
         self.cuda = self.device.type == "cuda"
         self.batch_pages = batch_pages
         if chunk_pages is None:
-            chunk_pages = -(-batch_pages // 4)
+            # Measured on an H200 (docs/benchmarks.md, Tiers): 8-page chunks lift raw pages to
+            # 86-92% of pinned PCIe, but NVFP4 pages lose 2-3x when chunked (the encoder's
+            # NaN/Inf check syncs once per call), so batches with a device codec stay whole.
+            device_codec = any(not c.lossless for c in self.codecs)
+            chunk_pages = batch_pages if device_codec else min(8, batch_pages)
         if not isinstance(chunk_pages, int) or chunk_pages <= 0:
             raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
         self.chunk_pages = min(chunk_pages, batch_pages)
