@@ -16,12 +16,17 @@ import torch
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int,
-              flush: torch.Tensor | None = None) -> float:
-    """Median time (ms) of ``reps`` calls of ``fn()``, after one warm-up call (and compile)."""
+              flush: torch.Tensor | None = None, sync_all: bool = False) -> float:
+    """Median time (ms) of ``reps`` calls of ``fn()``, after one warm-up call (and compile).
+
+    ``sync_all`` waits for every stream of the device before each run (for code that works on
+    side streams, such as the tiers' copy streams, so one run never overlaps the next)."""
     fn()
     times = []
     for _ in range(reps):
         if device.type == "cuda":
+            if sync_all:
+                torch.cuda.synchronize(device)
             if flush is not None:
                 flush.zero_()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _timing import median_ms  # noqa: E402  (benchmarks/ is on sys.path when a script here runs)
+
 from kvstrata.codecs import get_codec  # noqa: E402
 from kvstrata.pagepool import KVGroupSpec, Namespace, PageInfo, PagePool, hash_page  # noqa: E402
 from kvstrata.tiers import DiskTier, TierManager  # noqa: E402
@@ -55,23 +57,8 @@ def geometry(tiny: bool) -> tuple[int, int, int]:
 
 
 def timed(device: torch.device, fn, reps: int) -> float:
-    """Median ms of ``fn``: CUDA events on the current stream, or perf_counter on the CPU."""
-    fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
+    """Median ms of ``fn`` (the tiers use side streams: every stream is drained before each run)."""
+    return median_ms(fn, device, reps, sync_all=True)
 
 
 def ceiling(device: torch.device, nbytes: int, reps: int) -> tuple[float, float]:
