@@ -465,28 +465,44 @@ def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def _words(payload: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-    """An int view of ``payload [M, total]`` (``nbytes``-byte words) when every row is aligned
-    to them, else None (the kernels then move codes byte by byte)."""
-    if payload.shape[1] % nbytes or payload.data_ptr() % nbytes or payload.shape[0] == 0:
+    """An int view of ``payload [M, total]`` (``nbytes``-byte words; rows may be strided) when
+    every row is aligned to them, else None (the kernels then move codes byte by byte)."""
+    if (payload.shape[1] % nbytes or payload.data_ptr() % nbytes or payload.shape[0] == 0
+            or payload.stride(0) % nbytes):
         return None
     return payload.view(torch.int64 if nbytes == 8 else torch.int32)
 
 
+def _check_rows(t: torch.Tensor, m: int, total: int, device: torch.device, what: str) -> None:
+    """``t`` must be ``[m, total]`` uint8 on ``device`` with contiguous (possibly strided) rows."""
+    _check_payload(t, m, total)
+    if t.device != device:
+        raise ValueError(f"{what} is on {t.device}, the pages on {device}")
+    if m and total and (t.stride(1) != 1 or t.stride(0) < total):
+        raise ValueError(f"{what} rows must be contiguous and must not overlap, got strides "
+                         f"{t.stride()}")
+
+
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
-                 block_r: int | None = None, num_warps: int = 8
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, block_r: int | None = None,
+                 num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
     page_ids: optional ``[M]`` int; encodes ``pages[page_ids]`` without gathering them first.
     block_r: rows (tokens x heads) per tile, a power of two; ``None`` (default) keeps the whole
     slab in registers when it has at most ``ONE_PASS_ELEMS`` elements, else tiles of that size.
-    A ``block_r`` >= the slab's rows also means one pass. Returns ``(payload [M, nbytes] uint8,
-    ok [M] bool)`` on ``pages.device``.
+    A ``block_r`` >= the slab's rows also means one pass. out: optional ``[M, nbytes]`` uint8
+    on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
+    laid out like host slots). Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on
+    ``pages.device``; nothing here waits for the device (``ok`` is a device tensor).
     """
     s, r, d, m = _check_pages(pages, page_ids)
     total = nvfp4_layout(s, r, d)[3]
-    out = torch.empty(m, total, dtype=torch.uint8, device=pages.device)
+    if out is None:
+        out = torch.empty(m, total, dtype=torch.uint8, device=pages.device)
+    else:
+        _check_rows(out, m, total, pages.device, "out")
     bad = torch.zeros(m, s, dtype=torch.int32, device=pages.device)
     if m and r:
         nbp = triton.next_power_of_2(d // 16)
@@ -498,7 +514,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         _nvfp4_encode_kernel[(m * s,)](
             pages.view(torch.int32) if pages.dtype == torch.bfloat16 else pages,
             _ids(page_ids, pages), out, out if words is None else words, bad, pages.stride(0),
-            total, total // 8, S=s, R=r, D=d, BLOCK_R=full if one_pass else block_r, NBP=nbp,
+            out.stride(0), out.stride(0) // 8, S=s, R=r, D=d, BLOCK_R=full if one_pass else block_r, NBP=nbp,
             ONE_PASS=one_pass, HAS_IDS=page_ids is not None,
             IS_BF16=pages.dtype == torch.bfloat16, WORDS=words is not None, num_warps=num_warps)
     return out, bad.amax(dim=1) == 0 if m else torch.ones(0, dtype=torch.bool,
@@ -509,15 +525,17 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
                  *, block_r: int = 8, num_warps: int = 2) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
-    payload: ``[M, nbytes]`` uint8 on ``out.device``. out: ``[N, num_layers, 2, num_kv_heads,
-    page_size, head_dim]`` bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). block_r: rows
-    per program, a power of two. Returns ``out``.
+    payload: ``[M, nbytes]`` uint8 on ``out.device``; its rows may be strided (e.g. columns of
+    a staging buffer). out: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]``
+    bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). block_r: rows per program, a power of
+    two. Returns ``out``.
     """
     s, r, d, m = _check_pages(out, page_ids)
     _check_payload(payload, m, nvfp4_layout(s, r, d)[3])
     if payload.device != out.device:
         raise ValueError(f"payload is on {payload.device}, out on {out.device}; copy it first")
-    payload = payload.contiguous()
+    if payload.stride(1) != 1:
+        payload = payload.contiguous()
     if m and r:
         words = _words(payload, 4)
         bf16 = out.dtype == torch.bfloat16
@@ -526,7 +544,7 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
         _nvfp4_decode_kernel[(m * s, triton.cdiv(r, block_r))](
             payload, payload if words is None else words, _ids(page_ids, out),
             out.view(torch.int16) if kind == 1 else out, payload.stride(0),
-            payload.shape[1] // 4, out.stride(0), S=s, R=r, D=d, BLOCK_R=block_r,
+            payload.stride(0) // 4, out.stride(0), S=s, R=r, D=d, BLOCK_R=block_r,
             NWP=triton.next_power_of_2(d // 8), HAS_IDS=page_ids is not None, OUT_KIND=kind,
             WORDS=words is not None, num_warps=num_warps)
     return out

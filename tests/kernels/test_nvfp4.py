@@ -90,6 +90,26 @@ def test_aligned_payload_rows_use_word_io(dtype, block_r):
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
 
 
+@pytest.mark.parametrize("pad", [0, 8, 5])  # 8: word I/O on strided rows; 5: byte I/O
+def test_strided_payload_rows_staging_layout(pad):
+    # Encode straight into columns of a staging buffer laid out like host slots, and decode from
+    # them: the same bytes and values as the dense payload; the bytes around stay untouched.
+    x = _special_pages(torch.bfloat16, "wide", shape=(3, 2, 2, 2, 4, 64), seed=11)
+    dense, _ = nvfp4_encode_ref(x)
+    total = dense.shape[1]
+    stage = torch.full((3, 16 + total + pad), 0xAB, dtype=torch.uint8)
+    view = stage[:, 16:16 + total]
+    _, ok = nvfp4_encode(x, out=view, block_r=2, num_warps=1)
+    assert ok.all() and torch.equal(view, dense)
+    assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    nvfp4_decode_ref(dense, o1)
+    nvfp4_decode(view, o2, block_r=4, num_warps=1)
+    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        nvfp4_encode(x, out=stage[:, :total - 1])
+
+
 def test_e2m1_min_of_rounded_lines_equals_round_to_nearest_even():
     # The kernels' formula: code = min(RN(2y + C), RN(y + 2 + C), RN(y/2 + 4 + C), C + 7) - C
     lattice = torch.arange(0, 10 * 4096, dtype=torch.float32) / 4096
