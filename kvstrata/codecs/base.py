@@ -125,6 +125,26 @@ class Codec(ABC):
         """Payload size this codec produces for one page of ``spec`` (a ``KVGroupSpec``), or
         ``None`` when it depends on the data (entropy coders); then the raw size is the bound."""
 
+    #: The codec has a fixed-size batch path on the pool's device (:meth:`encode_rows` /
+    #: :meth:`decode_rows`): tiers encode straight into staging rows and decode from them.
+    rows_path: bool = False
+
+    def encode_rows(self, pool: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor
+                    ) -> torch.Tensor | None:
+        """Encode ``pool[page_ids]`` into ``rows`` without waiting for the device.
+
+        pool: ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``; page_ids: ``[M]``
+        int64 on ``pool.device``; rows: ``[M, encoded_nbytes]`` uint8 on ``pool.device``, rows
+        contiguous but possibly strided (columns of a staging buffer). Returns a device bool
+        ``[M]`` (``False``: that page cannot be encoded and its row is meaningless) or ``None``
+        when every page can be. Only codecs with ``rows_path``."""
+        raise NotImplementedError(f"codec {self.name!r} has no fixed-size device batch path")
+
+    def decode_rows(self, rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor) -> None:
+        """Decode ``rows`` (as written by :meth:`encode_rows`, already verified) into
+        ``pool[page_ids]``. Only codecs with ``rows_path``."""
+        raise NotImplementedError(f"codec {self.name!r} has no fixed-size device batch path")
+
     def check(self, encoded: EncodedPage) -> None:
         """Raise :class:`CodecVersionError` / :class:`ChecksumError` if ``encoded`` is not ours or
         its payload is damaged. Device payloads without a checksum are trusted (never left a GPU)."""
@@ -173,6 +193,27 @@ class IdentityCodec(Codec):
 
     def encoded_nbytes(self, spec: Any, page_size: int) -> int:
         return spec.bytes_per_page(page_size)
+
+    rows_path = True
+
+    def encode_rows(self, pool: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor
+                    ) -> None:
+        torch.index_select(pool, 0, page_ids, out=_as_pages(rows, pool))
+        return None
+
+    def decode_rows(self, rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor) -> None:
+        pool.index_copy_(0, page_ids, _as_pages(rows, pool))
+
+
+def _as_pages(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """``rows [M, page bytes]`` uint8 viewed as ``M`` pages of ``pool`` (no copy; rows may be
+    strided by a multiple of the element size)."""
+    page = tuple(pool.shape[1:])
+    nb = pool[0].numel() * pool.element_size() if pool.shape[0] else 0
+    if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != nb:
+        raise ValueError(f"rows must be [M, {nb}] uint8 for pages {page} of {pool.dtype}, got "
+                         f"{tuple(rows.shape)} {rows.dtype}")
+    return rows.view(pool.dtype).view(rows.shape[0], *page)
 
 
 _REGISTRY: dict[str, Callable[[], Codec]] = {}

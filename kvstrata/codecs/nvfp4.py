@@ -102,6 +102,21 @@ class NVFP4Codec(Codec):
                                    checksum=crc32(row) if row.device.type == "cpu" else None))
         return out
 
+    rows_path = True
+
+    def encode_rows(self, pool: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor
+                    ) -> torch.Tensor:
+        """Encode ``pool[page_ids]`` into ``rows`` (strided rows welcome) without a device sync;
+        returns the device ``ok`` flags (False: NaN/Inf or too large, row meaningless)."""
+        if self._use_triton(pool.device):
+            return nvfp4_encode(pool, page_ids, out=rows, **self._tuning())[1]
+        payload, ok = nvfp4_encode_ref(pool, page_ids)
+        rows.copy_(payload)
+        return ok
+
+    def decode_rows(self, rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor) -> None:
+        self._decode_rows(rows, pool, page_ids)
+
     # -- decode ------------------------------------------------------------------------------
 
     def _validate(self, enc: EncodedPage) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -80,8 +80,11 @@ class HostTier:
                                pin_memory=pin and self.num_slots > 0)
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()   # LRU: oldest first
-        self._pending: list[tuple[Any, list[HostEntry]]] = []           # (event, entries)
+        # (event, entries, valid): published once the event completed; see add()
+        self._pending: list[tuple[Any, list[HostEntry], Any]] = []
         self._pending_hashes: set[bytes] = set()
+        #: called with the entries a batch's ``valid`` flags refused (their slots are free again)
+        self.on_reject: Callable[[list[HostEntry]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,6 +147,9 @@ class HostTier:
                 e = self._entries.pop(h)
                 victims.append(e)
                 slots.append(e.slot)
+        # Ascending slots: consecutive ones are copied by one DMA (the free list is a stack fed
+        # in LRU order, so without this a batch would come out in descending single slots).
+        slots.sort()
         return slots, victims
 
     def evict_all(self) -> list[HostEntry]:
@@ -157,34 +163,45 @@ class HostTier:
         """Return slots that were taken but not filled (a failed copy)."""
         self._free.extend(slots)
 
-    def add(self, entries: Sequence[HostEntry], event: Any = None) -> None:
+    def add(self, entries: Sequence[HostEntry], event: Any = None, valid: Any = None) -> None:
         """Make ``entries`` visible once ``event`` (a CUDA event, or ``None``: already done) has
-        completed; a page is never visible before its bytes are."""
+        completed; a page is never visible before its bytes are. ``valid``: optional host bool
+        tensor (or list), one per entry, readable once ``event`` completed; entries flagged
+        ``False`` (their codec refused the page) are never published, their slots are freed and
+        :attr:`on_reject` is told."""
         if event is None:
-            self._publish(entries)
+            self._publish(entries, valid)
         else:
-            self._pending.append((event, list(entries)))
+            self._pending.append((event, list(entries), valid))
             self._pending_hashes.update(e.info.hash for e in entries)
 
     def settle(self, block: bool = True) -> None:
         """Publish entries whose copies completed (all of them, waiting, with ``block``)."""
         still = []
-        for ev, entries in self._pending:
+        for ev, entries, valid in self._pending:
             if block:
                 ev.synchronize()
             if block or ev.query():
-                self._publish(entries)
+                self._publish(entries, valid)
             else:
-                still.append((ev, entries))
+                still.append((ev, entries, valid))
         self._pending = still
 
-    def _publish(self, entries: Sequence[HostEntry]) -> None:
-        for e in entries:
+    def _publish(self, entries: Sequence[HostEntry], valid: Any = None) -> None:
+        flags = valid.tolist() if hasattr(valid, "tolist") else valid
+        rejected = []
+        for j, e in enumerate(entries):
             self._pending_hashes.discard(e.info.hash)
+            if flags is not None and not flags[j]:
+                rejected.append(e)
+                self._free.append(e.slot)
+                continue
             old = self._entries.pop(e.info.hash, None)
             if old is not None and old.slot != e.slot:
                 self._free.append(old.slot)
             self._entries[e.info.hash] = e
+        if rejected and self.on_reject is not None:
+            self.on_reject(rejected)
 
     def discard(self, hashes: Iterable[bytes]) -> int:
         """Drop entries (e.g. found corrupt); their slots become free. Returns how many."""

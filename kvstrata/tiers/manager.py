@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("host_hits", "host_misses", "disk_hits", "disk_misses",
              "d2h_pages", "d2h_bytes", "h2d_pages", "h2d_bytes",
              "host_to_disk_pages", "host_to_disk_bytes", "disk_to_host_pages", "disk_to_host_bytes",
-             "checksum_failures", "mismatches", "host_evictions", "dropped_pages")
+             "checksum_failures", "mismatches", "host_evictions", "dropped_pages",
+             "unencodable_pages")
 
 
 class TierManager:
@@ -74,6 +75,7 @@ class TierManager:
         self.codecs = [get_codec(g.codec) for g in self.specs]
         pin = pool.device.type == "cuda" and torch.cuda.is_available()
         self.host = HostTier(self.specs, self.codecs, pool.page_size, host_bytes, pin=pin)
+        self.host.on_reject = self._rejected
         if self.host.num_slots == 0:
             raise ValueError("the tier stack needs a host tier of at least one page slot "
                              f"({self.host.slot_bytes} bytes): it stages every transfer")
@@ -146,10 +148,22 @@ class TierManager:
             chunk = todo[k:k + self.batch]
             slots, victims = self.host.take_slots(len(chunk))
             self._spill(victims)
-            entries, ev = self.mover.down(self.ns_digest, chunk, slots)
-            self.host.add(entries, ev)
+            entries, ev, valid = self.mover.down(self.ns_digest, chunk, slots)
+            self.host.add(entries, ev, valid)
             self.counters["d2h_pages"] += len(entries)
             self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
+
+    def _rejected(self, entries: list[HostEntry]) -> None:
+        """Pages a codec refused on the way down (e.g. NaN/Inf under NVFP4): never stored."""
+        if not self.counters["unencodable_pages"]:
+            names = [f"{g.name}: {c.name}" for g, c in zip(self.specs, self.codecs)
+                     if not c.lossless]
+            log.warning("tiers: %d evicted page(s) could not be encoded (%s; NaN/Inf in the KV?) "
+                        "and were not stored; counted in stats()['unencodable_pages'], not logged "
+                        "again", len(entries), ", ".join(names))
+        self.counters["unencodable_pages"] += len(entries)
+        self.counters["d2h_pages"] -= len(entries)
+        self.counters["d2h_bytes"] -= sum(e.nbytes for e in entries)
 
     def drain_host(self) -> int:
         """Write every host page the disk lacks to disk and empty the host tier (shutdown, or to

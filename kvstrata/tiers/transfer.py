@@ -95,11 +95,9 @@ class Mover:
         self.cuda = self.device.type == "cuda"
         self.batch_pages = batch_pages
         if chunk_pages is None:
-            # Measured on an H200 (docs/benchmarks.md, Tiers): 8-page chunks lift raw pages to
-            # 86-92% of pinned PCIe, but NVFP4 pages lose 2-3x when chunked (the encoder's
-            # NaN/Inf check syncs once per call), so batches with a device codec stay whole.
-            device_codec = any(not c.lossless for c in self.codecs)
-            chunk_pages = batch_pages if device_codec else min(8, batch_pages)
+            # Measured on an H200 (docs/benchmarks.md, Tiers): 8-page chunks keep the copy
+            # engine busy while the next chunk is gathered or encoded.
+            chunk_pages = min(8, batch_pages)
         if not isinstance(chunk_pages, int) or chunk_pages <= 0:
             raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
         self.chunk_pages = min(chunk_pages, batch_pages)
@@ -110,6 +108,11 @@ class Mover:
         nbuf = 2 if self.chunk_pages < batch_pages else 1
         self._down = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
         self._up = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
+        # The header every page of a group with a device batch path gets (payload in the slot).
+        self._row_headers = [
+            EncodedPage(c.name, c.version, tuple(g.page_shape(pool.page_size)),
+                        dtype_name(g.dtype), _EMPTY) if c.rows_path else None
+            for g, c in zip(self.specs, self.codecs)]
         self._last_up = None     # event after which no H2D batch reads host slots any more
 
     @contextmanager
@@ -147,8 +150,10 @@ class Mover:
     def down(self, ns: bytes, infos: Sequence[PageInfo], slots: Sequence[int]):
         """Encode pages ``infos[i].page_id`` into host slots ``slots[i]``.
 
-        Returns ``(entries, event)``: pass both to :meth:`HostTier.add` (the event follows the
-        batch's last copy; ``None`` on the CPU).
+        Returns ``(entries, event, valid)``: pass them to :meth:`HostTier.add` (the event
+        follows the batch's last copy, ``None`` on the CPU; ``valid`` is ``None`` or a host bool
+        tensor, readable once the event completed: ``False`` for a page its codec refused, e.g.
+        NVFP4 and NaN/Inf).
         """
         n = len(infos)
         if n > self.batch_pages:
@@ -160,72 +165,72 @@ class Mover:
         if self.cuda:
             p.work.wait_stream(compute)            # the pages are final
         encoded = done = None
+        ok_dev: torch.Tensor | None = None         # False: a page its codec could not encode
+        ok_host: torch.Tensor | None = None
         with _on(p.work):                          # allocations below belong to the work stream
             ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
             for c, k, m in self._chunks(n):
                 b = c % len(p.bufs)
                 stage = p.bufs[b][:m]
                 _after(p.work, p.free[b])          # the copy that last read this buffer is done
-                self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
+                ok = self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
+                if ok is not None:
+                    if ok_dev is None:
+                        ok_dev = torch.ones(n, dtype=torch.bool, device=self.device)
+                    ok_dev[k:k + m] &= ok
                 encoded = _mark(p.work)
                 _after(p.copy, encoded)
                 if c == 0:
                     _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
                 with _on(p.copy):
                     self._rows_to_slots(stage, slots[k:k + m])
+                    if ok_dev is not None and k + m == n:
+                        # The flags travel with the last copy: read once `done` has completed.
+                        ok_host = torch.empty(n, dtype=torch.bool, pin_memory=self.cuda)
+                        ok_host.copy_(ok_dev, non_blocking=self.cuda)
                 p.free[b] = done = _mark(p.copy)
         # NOTE: the compute stream only waits until the pages have been read; a page becomes
-        # visible in the host tier once `done` (the last copy; copies run in order) completed.
+        # visible in the host tier once `done` (the last copy; copies run in order) completed,
+        # and only if its ok flag says it was encodable. Nothing here waits for the device.
         _after(compute, encoded)
         entries = [HostEntry(info, ns, s, headers[j], sizes[j]) for j, (info, s) in
                    enumerate(zip(infos, slots))]
-        return entries, done
+        return entries, done, ok_host
 
     def _gather(self, stage: torch.Tensor, ids: torch.Tensor, headers: list[list[EncodedPage]],
-                sizes: list[list[int]]) -> None:
-        """Every group of pages ``ids`` into staging rows (identity: a gather; else encode)."""
+                sizes: list[list[int]]) -> torch.Tensor | None:
+        """Every group of pages ``ids`` into staging rows; returns the device ok flags (or None).
+
+        Codecs with a device batch path (identity: a gather; NVFP4: one kernel) write straight
+        into the staging rows and never wait for the device; others encode page by page."""
         n = len(headers)
+        ok = None
         for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
             off = self.host.offsets[gi]
             kv = self.pool.kv[spec.name]
-            if codec.name == "identity":
-                pages = kv.index_select(0, ids)
-                nb = spec.bytes_per_page(self.pool.page_size)
-                stage[:, off:off + nb] = pages.reshape(n, -1).view(torch.uint8)
-                hdr = EncodedPage(codec.name, codec.version, tuple(pages.shape[1:]),
-                                  dtype_name(spec.dtype), _EMPTY)
+            if codec.rows_path:
+                nb = self.host.max_sizes[gi]
+                timer = nullcontext() if codec.name == "identity" else self._timed(
+                    "encode_s", self._down.work)
+                with timer:
+                    good = codec.encode_rows(kv, ids, stage[:, off:off + nb])
+                if good is not None:
+                    ok = good if ok is None else ok & good
+                hdr = self._row_headers[gi]
                 for j in range(n):
                     headers[j].append(hdr)
                     sizes[j].append(nb)
                 continue
             with self._timed("encode_s", self._down.work):
-                encs = self._encode(codec, kv, ids)
-            for enc in encs:
+                encs = [codec.encode(kv[i]) for i in ids.tolist()]
+            for j, enc in enumerate(encs):
                 if enc.nbytes > self.host.max_sizes[gi]:
                     raise ValueError(f"codec {codec.name!r} produced {enc.nbytes} bytes for "
                                      f"group {spec.name!r}; its bound is {self.host.max_sizes[gi]}")
-            self._stage_payloads(stage, off, encs)
-            for j, enc in enumerate(encs):
+                stage[j, off:off + enc.nbytes] = enc.payload.reshape(-1)
                 headers[j].append(replace(enc, payload=_EMPTY))
                 sizes[j].append(enc.nbytes)
-
-    def _stage_payloads(self, stage: torch.Tensor, off: int, encs: list[EncodedPage]) -> None:
-        sizes = {e.nbytes for e in encs}
-        if len(sizes) == 1 and all(e.payload.device == self.device for e in encs):
-            # Fixed-size codec output on the pool's device: one copy for the whole batch.
-            nb = sizes.pop()
-            stage[:, off:off + nb] = torch.stack([e.payload.reshape(-1) for e in encs])
-            return
-        for j, enc in enumerate(encs):
-            stage[j, off:off + enc.nbytes] = enc.payload.reshape(-1)
-
-    @staticmethod
-    def _encode(codec: Codec, kv: torch.Tensor, ids: torch.Tensor) -> list[EncodedPage]:
-        batch = getattr(codec, "encode_batch", None)
-        if batch is not None:
-            # Batched codecs read the pool in place (no gather) and encode in one launch.
-            return list(batch(kv, ids))
-        return [codec.encode(kv[i]) for i in ids.tolist()]
+        return ok
 
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
         buf = self.host.buf
@@ -265,24 +270,30 @@ class Mover:
 
     def _decode(self, stage: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
                 page_ids: Sequence[int]) -> None:
-        """Every group of staged host slots into pool pages ``ids`` (identity: a scatter)."""
+        """Every group of staged host slots into pool pages ``ids`` (one op per group when its
+        codec has a device batch path and every entry is in that codec's row format)."""
         n = len(entries)
         for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
             off = self.host.offsets[gi]
             kv = self.pool.kv[spec.name]
             shape = spec.page_shape(self.pool.page_size)
-            if all(e.headers[gi].codec == "identity" for e in entries):
-                nb = spec.bytes_per_page(self.pool.page_size)
-                src = stage[:, off:off + nb].view(spec.dtype).reshape(n, *shape)
-                kv.index_copy_(0, ids, src)
-                continue
-            # Host bytes were verified when they arrived: no second checksum pass.
-            encs = [replace(e.headers[gi], checksum=None, payload=stage[j, off:off + e.sizes[gi]])
-                    for j, e in enumerate(entries)]
-            with self._timed("decode_s", self._up.work):
-                batch = getattr(codec, "decode_batch_into", None)
-                if batch is not None:
-                    batch(encs, kv, ids)
+            if codec.rows_path:
+                want = self._row_headers[gi]
+                nb = self.host.max_sizes[gi]
+                if all(_same_format(e.headers[gi], want) and e.sizes[gi] == nb for e in entries):
+                    timer = nullcontext() if codec.name == "identity" else self._timed(
+                        "decode_s", self._up.work)
+                    with timer:
+                        codec.decode_rows(stage[:n, off:off + nb], kv, ids)
                     continue
-                for enc, pid in zip(encs, page_ids):
+            # Host bytes were verified when they arrived: no second checksum pass.
+            with self._timed("decode_s", self._up.work):
+                for j, (e, pid) in enumerate(zip(entries, page_ids)):
+                    enc = replace(e.headers[gi], checksum=None,
+                                  payload=stage[j, off:off + e.sizes[gi]])
                     kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))
+
+
+def _same_format(h: EncodedPage, want: EncodedPage) -> bool:
+    return (h.codec == want.codec and h.version == want.version and h.shape == want.shape
+            and h.dtype == want.dtype)

@@ -119,3 +119,32 @@ def test_codecs_round_trip_through_every_tier(tmp_path, codecs):
                 got = s.pool.kv[g.name][pid]
                 assert torch.equal(got, want), f"{g.name} ({g.codec}) page {i} differs"
     s.tiers.close()
+
+
+def test_unencodable_page_is_not_stored_and_the_rest_of_its_batch_is(tmp_path, caplog):
+    # NVFP4 cannot hold NaN: that page is refused at visibility time (no device sync on the way
+    # down), counted and logged once; its neighbours in the same batch are stored and promoted.
+    s = Stack(tmp_path, codecs=("nvfp4", "lossless"), num_pages=8, host_pages=8, disk=False)
+    prompt = _prompts(1, 3, seed=5)[0]
+    seq = s.run(prompt, check=False)
+    bad = seq.page_ids[1]
+    s.pool.kv["target"][bad, 0, 0, 0, 0, 3] = float("nan")
+    with caplog.at_level("WARNING", logger="kvstrata.tiers.manager"):
+        s.pool.evict(8)
+        st = s.tiers.stats()
+    assert st["unencodable_pages"] == 1 and st["d2h_pages"] == 2 and st["host_pages"] == 2
+    assert [r.message for r in caplog.records if "could not be encoded" in r.message]
+    hashes = page_hashes(s.ns, prompt)
+    assert s.tiers.host.get(hashes[1]) is None
+    assert s.tiers.lookup_prefix(s.ns, hashes) == 1      # page 0 only: page 1 is missing
+    assert len(s.tiers.host._free) == 8 - 2                # the refused page's slot is free
+
+
+def test_host_slots_come_out_ascending_so_runs_are_one_copy(tmp_path):
+    s = Stack(tmp_path, num_pages=8, host_pages=8, disk=False)
+    host = s.tiers.host
+    slots, _ = host.take_slots(8)
+    host.give_back(slots)                                  # a stack fed in some order
+    host.give_back([])
+    again, _ = host.take_slots(5)
+    assert again == sorted(again)

@@ -117,7 +117,7 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     if direction == "down":
         monkeypatch.setattr(mover, "_gather", record("fill", mover._gather))
         monkeypatch.setattr(mover, "_rows_to_slots", record("drain", mover._rows_to_slots))
-        _, ev = mover.down(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
+        _, ev, _ = mover.down(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
         fill, drain = "work", "copy"
     else:
         real_runs = transfer._runs
