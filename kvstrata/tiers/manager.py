@@ -54,9 +54,9 @@ class TierManager:
         write_through: also write a page to host and disk as soon as it is hashed.
         batch_pages: pages per copy batch.
         chunk_pages: pages per pipelined chunk of a batch (two staging buffers of this many
-            pages per direction; chunk k's copy overlaps chunk k+1's encode/decode). Default: 8
-            pages when every codec is lossless, the whole batch when a group uses NVFP4 (see
-            ``Mover``); ``>= batch_pages``: no pipelining within a batch.
+            pages per direction; chunk k's copy overlaps chunk k+1's encode/decode). Default:
+            about 16 MiB of host slots (``transfer.default_chunk_pages``); ``>= batch_pages``:
+            no pipelining within a batch.
     """
 
     def __init__(self, pool: PagePool, namespace: Namespace, host_bytes: int = 1 << 30,

@@ -84,6 +84,17 @@ def _after(stream, ev) -> None:
         stream.wait_event(ev)
 
 
+#: Bytes per pipelined chunk by default. Measured on an H200 (docs/benchmarks.md, Tiers): a
+#: chunk's copy must outlast the host-side launch of the next chunk's encode (~0.1-0.2 ms of
+#: Python and driver calls), or the copy engine idles; 16 MiB take ~0.3 ms over PCIe 5.
+CHUNK_BYTES = 16 << 20
+
+
+def default_chunk_pages(slot_bytes: int, batch_pages: int) -> int:
+    """Pages per chunk: about :data:`CHUNK_BYTES` of host slots, at least 4 pages."""
+    return max(1, min(batch_pages, max(4, -(-CHUNK_BYTES // max(slot_bytes, 1)))))
+
+
 class Mover:
     """Encodes/decodes and copies batches of pages between ``pool`` and ``host``."""
 
@@ -95,9 +106,7 @@ class Mover:
         self.cuda = self.device.type == "cuda"
         self.batch_pages = batch_pages
         if chunk_pages is None:
-            # Measured on an H200 (docs/benchmarks.md, Tiers): 8-page chunks keep the copy
-            # engine busy while the next chunk is gathered or encoded.
-            chunk_pages = min(8, batch_pages)
+            chunk_pages = default_chunk_pages(host.slot_bytes, batch_pages)
         if not isinstance(chunk_pages, int) or chunk_pages <= 0:
             raise ValueError(f"chunk_pages must be a positive integer, got {chunk_pages!r}")
         self.chunk_pages = min(chunk_pages, batch_pages)

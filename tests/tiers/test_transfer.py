@@ -146,3 +146,11 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     assert ev is not None and all(p in t.done_before(None, *ev) for p in pos.values())
     if direction == "down":
         assert len({stage_ids[("fill", c)] for c in range(chunks)}) == 2
+
+
+def test_default_chunk_is_about_16_mib_of_slots():
+    from kvstrata.tiers.transfer import default_chunk_pages
+    assert default_chunk_pages(2_359_296, 64) == 8        # Qwen3-8B bf16 page (identity)
+    assert default_chunk_pages(663_808, 64) == 26         # the same page under NVFP4
+    assert default_chunk_pages(663_808, 16) == 16         # never more than the batch
+    assert default_chunk_pages(64 << 20, 64) == 4         # at least 4 pages
