@@ -50,6 +50,17 @@ def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
+def _flags(oks: list[tuple[int, int, torch.Tensor]], n: int, device: torch.device) -> torch.Tensor:
+    """One ``[n]`` bool tensor from per-chunk flags ``(first page, pages, flags)``; pages of
+    chunks without flags are fine. A single op when every chunk has flags (the common case)."""
+    if sum(m for _, m, _ in oks) == n and len(oks) == len({k for k, _, _ in oks}):
+        return oks[0][2] if len(oks) == 1 else torch.cat([f for _, _, f in oks])
+    out = torch.ones(n, dtype=torch.bool, device=device)
+    for k, m, f in oks:
+        out[k:k + m] &= f
+    return out
+
+
 class _Pipe:
     """One direction's staging buffers (used in turn) and its two streams (CUDA only).
 
@@ -174,7 +185,7 @@ class Mover:
         if self.cuda:
             p.work.wait_stream(compute)            # the pages are final
         encoded = done = None
-        ok_dev: torch.Tensor | None = None         # False: a page its codec could not encode
+        oks: list[tuple[int, int, torch.Tensor]] = []   # per chunk: False = codec refused page
         ok_host: torch.Tensor | None = None
         with _on(p.work):                          # allocations below belong to the work stream
             ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
@@ -184,19 +195,21 @@ class Mover:
                 _after(p.work, p.free[b])          # the copy that last read this buffer is done
                 ok = self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
                 if ok is not None:
-                    if ok_dev is None:
-                        ok_dev = torch.ones(n, dtype=torch.bool, device=self.device)
-                    ok_dev[k:k + m] &= ok
+                    oks.append((k, m, ok))
+                if oks and k + m == n:
+                    ok_dev = _flags(oks, n, self.device)
                 encoded = _mark(p.work)
                 _after(p.copy, encoded)
                 if c == 0:
                     _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
                 with _on(p.copy):
                     self._rows_to_slots(stage, slots[k:k + m])
-                    if ok_dev is not None and k + m == n:
+                    if oks and k + m == n:
                         # The flags travel with the last copy: read once `done` has completed.
                         ok_host = torch.empty(n, dtype=torch.bool, pin_memory=self.cuda)
                         ok_host.copy_(ok_dev, non_blocking=self.cuda)
+                        if self.cuda:     # made on the work stream, read here: keep it alive
+                            ok_dev.record_stream(p.copy)
                 p.free[b] = done = _mark(p.copy)
         # NOTE: the compute stream only waits until the pages have been read; a page becomes
         # visible in the host tier once `done` (the last copy; copies run in order) completed,

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from kvstrata.pagepool import page_hashes
+from kvstrata.pagepool import PageInfo, page_hashes
 from kvstrata.tiers import TierManager, transfer
 
 from tierutil import PAGE, Stack
@@ -154,3 +154,14 @@ def test_default_chunk_is_about_16_mib_of_slots():
     assert default_chunk_pages(663_808, 64) == 26         # the same page under NVFP4
     assert default_chunk_pages(663_808, 16) == 16         # never more than the batch
     assert default_chunk_pages(64 << 20, 64) == 4         # at least 4 pages
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_refused_page_flags_line_up_across_chunks(tmp_path, chunk):
+    s = Stack(tmp_path, num_pages=8, host_pages=8, disk=False, codecs=("nvfp4", "identity"))
+    mover = transfer.Mover(s.pool, s.tiers.host, s.tiers.codecs, batch_pages=5, chunk_pages=chunk)
+    infos = [PageInfo(i, bytes([i]) * 16, b"\0" * 16, (i,) * PAGE) for i in range(5)]
+    s.pool.kv["target"][:5].normal_()
+    s.pool.kv["target"][3, 1, 1, 0, 2, 5] = float("inf")
+    _, ev, valid = mover.down(s.ns.digest, infos, [0, 1, 2, 3, 4])
+    assert ev is None and valid.tolist() == [True, True, True, False, True]
