@@ -33,9 +33,48 @@ from ..dtypes import SUPPORTED_DTYPES
 
 _IMPLS = ("auto", "triton", "torch")
 #: Split-KV never cuts a sequence into pieces shorter than this many tokens (the cost of writing
-#: and reducing partial results must stay small next to the KV each split reads).
+#: and reducing partial results must stay small next to the KV each split reads) ...
 MIN_TOKENS_PER_SPLIT = 512
+#: ... unless even splits of MIN_TOKENS_PER_SPLIT leave most SMs idle (few short sequences):
+#: then splits may go down to this many tokens.
+FINE_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
+#: tokens_per_split is a multiple of this (every KV tile size BLOCK_N <= 128 divides it).
+SPLIT_ALIGN = 128
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPolicy:
+    """Knobs of the host-side split-KV choice (:func:`choose_num_splits`).
+
+    Attributes:
+        min_tokens: shortest split when the batch can fill the GPU with splits this long.
+        fine_min_tokens: shortest split when even ``min_tokens`` splits would leave SMs idle
+            (fewer than ``num_sms`` programs); ``fine_min_tokens >= align``.
+        waves: target number of program waves (``programs ~ waves * num_sms``).
+        max_splits: upper bound on the split factor.
+        align: ``tokens_per_split`` is rounded up to a multiple of this (a power of two >= 16;
+            the kernel needs its KV tile size BLOCK_N to divide it).
+    """
+
+    min_tokens: int = MIN_TOKENS_PER_SPLIT
+    fine_min_tokens: int = FINE_MIN_TOKENS_PER_SPLIT
+    waves: float = 4.0
+    max_splits: int = MAX_SPLITS
+    align: int = SPLIT_ALIGN
+
+    def __post_init__(self):
+        if self.align < 16 or self.align & (self.align - 1):
+            raise ValueError(f"align must be a power of two >= 16, got {self.align}")
+        if not (self.align <= self.fine_min_tokens <= self.min_tokens):
+            raise ValueError("need align <= fine_min_tokens <= min_tokens, got "
+                             f"{self.align}, {self.fine_min_tokens}, {self.min_tokens}")
+        if self.waves <= 0 or self.max_splits < 1:
+            raise ValueError(f"waves must be > 0 and max_splits >= 1, got {self.waves}, "
+                             f"{self.max_splits}")
+
+
+DEFAULT_SPLIT_POLICY = SplitPolicy()
 
 
 @dataclass(slots=True)
@@ -50,7 +89,8 @@ class AttentionMetadata:
         causal: causal mode (True) or DFlash block mode (False).
         page_size: tokens per page.
         num_splits: split-KV factor (1 = no split), chosen on the host at plan time.
-        tokens_per_split: KV tokens each split covers (a multiple of 64).
+        tokens_per_split: KV tokens each split covers (a multiple of the split policy's
+            ``align``, 128 by default).
         seq_lens_host, query_lens_host: host copies when known (used by the torch path).
     """
 
@@ -100,25 +140,33 @@ def _as_host_list(x, what: str) -> list[int] | None:
 
 
 def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
-                      num_q_blocks: int = 1, num_sms: int = 132) -> int:
-    """Split-KV factor for a batch: enough programs to fill ``num_sms`` four times, but no split
-    shorter than :data:`MIN_TOKENS_PER_SPLIT` tokens. Host arithmetic only."""
+                      num_q_blocks: int = 1, num_sms: int = 132,
+                      policy: SplitPolicy | None = None) -> int:
+    """Split-KV factor for a batch (host arithmetic only, never a device sync).
+
+    Aims at ``policy.waves`` waves of programs on ``num_sms`` SMs (with fewer, the last partial
+    wave leaves SMs idle: 256 programs on 132 SMs run as 2 uneven waves), with no split shorter
+    than ``policy.min_tokens``; when even that leaves fewer programs than SMs (a few sequences),
+    splits may shrink to ``policy.fine_min_tokens``. Capped at ``policy.max_splits``.
+    """
+    pol = policy or DEFAULT_SPLIT_POLICY
     programs = max(1, num_seqs * num_kv_heads * num_q_blocks)
-    # Aim for ~4 waves of programs: with fewer, the last partial wave leaves SMs idle (256
-    # programs on 132 SMs run as 2 uneven waves).
-    if programs >= 4 * num_sms:
+    target = pol.waves * num_sms
+    if programs >= target:
         return 1
-    want = math.ceil(4 * num_sms / programs)
-    most = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(want, most, MAX_SPLITS))
+    want = math.ceil(target / programs)
+    most = max(1, max_seq_len // pol.min_tokens)
+    if programs * most < num_sms:
+        most = max(1, max_seq_len // pol.fine_min_tokens)
+    return max(1, min(want, most, pol.max_splits))
 
 
 def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
                    query_lens: Tensor | Sequence[int], *, page_size: int, causal: bool = True,
                    device: torch.device | str | None = None,
                    seq_lens_host: list[int] | None = None, num_kv_heads: int = 8,
-                   num_sms: int | None = None, num_splits: int | None = None
-                   ) -> AttentionMetadata:
+                   num_sms: int | None = None, num_splits: int | None = None,
+                   split_policy: SplitPolicy | None = None) -> AttentionMetadata:
     """Build a step's :class:`AttentionMetadata` (FlashInfer-style "plan").
 
     Args:
@@ -131,8 +179,11 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
         device: where the metadata tensors go (default: ``block_tables.device``).
         seq_lens_host: host copy of ``seq_lens`` when ``seq_lens`` is a device tensor; without it
             the split plan assumes every sequence fills its block table (no sync either way).
-        num_kv_heads, num_sms: sizing hints for the split-KV choice.
+        num_kv_heads, num_sms: sizing hints for the split-KV choice (``num_sms`` defaults to the
+            device's SM count, a host-side property query).
         num_splits: force a split factor (tests, benchmarks).
+        split_policy: knobs of the split choice and of the ``tokens_per_split`` alignment
+            (default :data:`DEFAULT_SPLIT_POLICY`).
     """
     if not isinstance(block_tables, Tensor) or block_tables.dim() != 2:
         raise ValueError("block_tables must be a [num_seqs, max_pages] int32 tensor")
@@ -177,11 +228,13 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
                        if dev.type == "cuda" else 132)
         q_blocks = max(1, math.ceil(max_q / 16))
         num_splits = choose_num_splits(n, max_s, num_kv_heads=num_kv_heads,
-                                       num_q_blocks=q_blocks, num_sms=num_sms)
+                                       num_q_blocks=q_blocks, num_sms=num_sms,
+                                       policy=split_policy)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    align = (split_policy or DEFAULT_SPLIT_POLICY).align
     per = math.ceil(max(max_s, 1) / num_splits)
-    per = math.ceil(per / 64) * 64
+    per = math.ceil(per / align) * align
     sl_t = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(sl_host, dtype=torch.int32)
     return AttentionMetadata(
         block_tables=block_tables.to(dev), seq_lens=sl_t.to(device=dev, dtype=torch.int32),
@@ -309,5 +362,5 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMeta
                                   sliding_window=sliding_window, block_kv=block_kv)
 
 
-__all__ = ["AttentionMetadata", "choose_num_splits", "paged_attention", "paged_attention_ref",
-           "plan_attention"]
+__all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "SplitPolicy", "choose_num_splits",
+           "paged_attention", "paged_attention_ref", "plan_attention"]

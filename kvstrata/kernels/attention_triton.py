@@ -9,8 +9,11 @@ take several query blocks.
 
 Split-KV (flash-decoding): when few programs would run (few sequences, long contexts), the plan
 cuts the KV range into ``num_splits`` pieces of ``tokens_per_split`` tokens; each piece writes a
-normalised partial output and its log-sum-exp, and :func:`_reduce_splits_kernel` merges them.
-The split factor comes from host ints at plan time, never from a device->host sync.
+normalised partial output and its log-sum-exp, merged either by a second launch
+(:func:`_reduce_splits_kernel`) or, with ``FUSED_REDUCE``, in the same launch: each split program
+bumps a per-(sequence, q block, KV head) arrival counter after storing its partial, and the last
+to arrive merges them all and resets the counter (so CUDA-graph replays start from zero). The
+split factor comes from host ints at plan time, never from a device->host sync.
 
 Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 elements.
 """
@@ -32,8 +35,9 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr,
-                         UPCAST: tl.constexpr):
-    """One flash-attention update: q [M, D], k [D, N], v [N, D], visible [M, N] bool."""
+                         UPCAST: tl.constexpr, MASKED: tl.constexpr = True):
+    """One flash-attention update: q [M, D], k [D, N], v [N, D], visible [M, N] bool (ignored
+    when not ``MASKED``: every key of the tile is visible to every row)."""
     if UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -42,10 +46,16 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
+    if MASKED:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        # Rows with nothing visible yet keep m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -56,18 +66,19 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
-        q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr,
-        layer_off, qk_scale, window, tokens_per_split, num_q_blocks,
+        layer_off, qk_scale, window, tokens_per_split, num_q_blocks, num_splits,
         s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
         s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
         s_pos, s_pot, s_poh, s_pls, s_plt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+        RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
@@ -115,7 +126,30 @@ def _paged_attention_kernel(
     # 1 into a constexpr, so `layer.to(...)` would not compile for layer 1.
     kv_base = kv_ptr + layer_off + kvh * s_head
     bt_row = bt_ptr + seq.to(tl.int64) * s_bt
-    for start in range(lo, hi, BLOCK_N):
+    mid = lo
+    if SPLIT_LOOP and not HAS_WINDOW:
+        # Tiles whose every key every row sees (below the first query's position) run without
+        # masks; only the tail tiles pay for them.
+        if CAUSAL:
+            full_end = tl.minimum(hi, first_pos + 1)
+        else:
+            full_end = hi
+        mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N
+        for start in range(lo, mid, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            page = tl.load(bt_row + offs_n // PAGE_SIZE).to(tl.int64)
+            tok_off = page * s_page + (offs_n % PAGE_SIZE).to(tl.int64) * s_tok
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(kv_base + tok_off[None, :] + d[:, None])
+                v = tl.load(kv_base + s_kv + tok_off[:, None] + d[None, :])
+            else:
+                k = tl.load(kv_base + tok_off[None, :] + d[:, None], mask=d_ok[:, None],
+                            other=0.0)
+                v = tl.load(kv_base + s_kv + tok_off[:, None] + d[None, :],
+                            mask=d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, row_ok[:, None], m_i, l_i, acc,
+                                                 qk_scale, IEEE, UPCAST, False)
+    for start in range(mid, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = (offs_n < hi) & (offs_n >= 0)
         page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -156,12 +190,65 @@ def _paged_attention_kernel(
         tl.store(part_o_ptr + sp * s_pos + q_rows[:, None] * s_pot + head[:, None] * s_poh
                  + d[None, :], o, mask=st_mask)
         tl.store(part_lse_ptr + sp * s_pls + q_rows * s_plt + head, lse, mask=row_ok)
+        if FUSED_REDUCE:
+            # Single-launch split-KV: the last of this (sequence, q block, KV head)'s split
+            # programs to arrive merges every partial. The barrier orders all threads' partial
+            # stores before the one thread's gpu-scope release (acq_rel) increment; the acquire
+            # side is that increment's result, broadcast through shared memory with a barrier,
+            # and the partials are then read through L2 (.cg), never a stale L1 line.
+            tl.debug_barrier()
+            cnt_ptr = counters_ptr + pid * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                tl.debug_barrier()
+                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start,
+                              tl.minimum(q_len - qblk * BLOCK_Q, BLOCK_Q), qblk, kvh,
+                              num_splits, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                              GROUP, BLOCK_Q, HEAD_DIM, BLOCK_D, RED_CHUNK)
     else:
         tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
 @triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qblk, kvh,
+                  num_splits, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, RED_CHUNK: tl.constexpr):
+    """The fused reduce: merge every split's partial for the ``n_tok * GROUP`` (token, head) rows
+    of one program's query block, ``RED_CHUNK`` splits per step (an online log-sum-exp merge),
+    write the output and reset the arrival counter for the next launch (or graph replay)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    sp = tl.arange(0, RED_CHUNK)
+    for r in range(0, n_tok * GROUP):
+        row = (q_start + qblk * BLOCK_Q + r // GROUP).to(tl.int64)
+        h = kvh * GROUP + r % GROUP
+        m_run = tl.max(tl.full([RED_CHUNK], float("-inf"), tl.float32), 0)
+        den = tl.sum(tl.zeros([RED_CHUNK], tl.float32), 0)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for c in range(0, num_splits, RED_CHUNK):
+            s_idx = (c + sp).to(tl.int64)
+            s_ok = s_idx < num_splits
+            lse = tl.load(part_lse_ptr + s_idx * s_pls + row * s_plt + h, mask=s_ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(lse, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)
+            w = tl.exp2(lse - m_safe)
+            o = tl.load(part_o_ptr + s_idx[:, None] * s_pos + row * s_pot + h * s_poh
+                        + d[None, :], mask=s_ok[:, None] & d_ok[None, :] & (w[:, None] > 0),
+                        other=0.0, cache_modifier=".cg")
+            acc = acc * alpha + tl.sum(o * w[:, None], 0)
+            den = den * alpha + tl.sum(w, 0)
+            m_run = m_new
+        res = acc / tl.where(den > 0, den, 1.0)
+        tl.store(out_ptr + row * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
+    tl.store(cnt_ptr, 0)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
                           s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -186,7 +273,15 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
 
 
 def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
-    """Tile sizes: ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill)."""
+    """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
+    any of them; ``benchmarks/attention_bench.py --sweep-cases`` measures the alternatives).
+
+    ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill); ``BLOCK_N`` KV
+    tokens per tile; ``FUSED_REDUCE``: split-KV merges its partials in the same launch (the last
+    split program of each (sequence, q block, KV head) merges) instead of a second kernel;
+    ``RED_CHUNK``: splits merged per step by that program; ``SPLIT_LOOP``: run the KV tiles
+    that every query row sees whole without masks (causal/no-window), masking only the tail.
+    """
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
     block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
@@ -201,18 +296,47 @@ def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
         block_n, stages = 64, 2
     if block_d > 128:
         block_n = 32
+    # FUSED_REDUCE / SPLIT_LOOP: off until the GPU sweep says where they win. (The fused merge
+    # is done by one program per query block, serially over its rows: cheap for decode-sized
+    # blocks, a longer tail for 64-row verify blocks.)
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4 if block_m <= 64 else 8, num_stages=stages)
+                num_warps=4 if block_m <= 64 else 8, num_stages=stages,
+                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=False)
+
+
+#: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
+#: last program of each group resets its counter). Grown, never shrunk; allocate before a CUDA
+#: graph capture by running the kernel once (any warm-up does).
+_COUNTERS: dict[torch.device, Tensor] = {}
+_RETIRED: list[Tensor] = []
+
+
+def split_counters(device: torch.device, n: int) -> Tensor:
+    """At least ``n`` zeroed int32 counters on ``device`` (cached; launches on one stream share
+    them, which is safe because each launch leaves them zero; concurrent launches on two
+    streams must pass their own ``counters`` to :func:`paged_attention_triton`)."""
+    device = torch.device(device)
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED.append(buf)   # a queued launch may still use it: never hand it back
+        buf = torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32,
+                          device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None = None,
                            block_kv: tuple[Tensor, Tensor] | None = None,
-                           out: Tensor | None = None, config: dict | None = None) -> Tensor:
+                           out: Tensor | None = None, config: dict | None = None,
+                           counters: Tensor | None = None) -> Tensor:
     """Triton path of :func:`kvstrata.kernels.attention.paged_attention` (validated there).
 
     q: ``[T, Hq, D]``; kv_cache: ``[num_pages, num_layers, 2, Hkv, page_size, D]`` (contiguous
-    in ``D``); returns ``[T, Hq, D]`` in ``q.dtype``.
+    in ``D``); returns ``[T, Hq, D]`` in ``q.dtype``. ``config`` overrides
+    :func:`kernel_config`'s knobs; ``counters`` (int32, zeroed, >= ``num_seqs * q_blocks *
+    Hkv`` entries) replaces the cached per-device workspace of the fused split reduce.
     """
     if kv_cache.stride(5) != 1 or q.stride(2) != 1:
         raise ValueError("paged attention needs q and kv_cache contiguous in head_dim")
@@ -225,17 +349,30 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         return out
     cfg = kernel_config(group, d, meta.max_query_len)
     if config:
-        cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep)
+        cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
     splits = meta.num_splits
-    if meta.tokens_per_split % cfg["BLOCK_N"]:
-        raise ValueError(f"tokens_per_split={meta.tokens_per_split} must be a multiple of "
-                         f"{cfg['BLOCK_N']}; build the metadata with plan_attention")
+    per = meta.tokens_per_split
+    if per % 16:
+        raise ValueError(f"tokens_per_split={per} must be a multiple of 16; build the "
+                         f"metadata with plan_attention")
+    block_n = cfg["BLOCK_N"]
+    while per % block_n:     # BLOCK_N must divide tokens_per_split (a power of two >= 16 does)
+        block_n //= 2
+    fused = splits > 1 and bool(cfg.get("FUSED_REDUCE", False))
     if splits > 1:
         part_o = torch.empty((splits, T, hq, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((splits, T, hq), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused (SPLIT=False)
+    n_groups = meta.num_seqs * num_q_blocks * hkv
+    if fused:
+        if counters is None:
+            counters = split_counters(q.device, n_groups)
+        elif counters.dtype != torch.int32 or counters.numel() < n_groups:
+            raise ValueError(f"counters must be int32 with >= {n_groups} zeroed entries")
+    else:
+        counters = meta.seq_lens  # unused (FUSED_REDUCE=False)
     if block_kv is not None:
         bk, bv = block_kv
         if bk.stride(2) != 1 or bv.stride(2) != 1:
@@ -247,11 +384,10 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     # interpreter only, bf16 tiles are multiplied in fp32.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     _paged_attention_kernel[grid](
-        q, kv_cache, bk, bv, out, part_o, part_lse,
+        q, kv_cache, bk, bv, out, part_o, part_lse, counters,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
-        max(meta.tokens_per_split, 1),
-        num_q_blocks,
+        max(per, 1), num_q_blocks, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), kv_cache.stride(4),
         bk.stride(0), bk.stride(1), bv.stride(0), bv.stride(1), out.stride(0), out.stride(1),
@@ -259,12 +395,13 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=cfg["GROUP_PAD"], BLOCK_Q=cfg["BLOCK_Q"], HEAD_DIM=d,
-        BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"], PAGE_SIZE=kv_cache.shape[4],
+        BLOCK_D=cfg["BLOCK_D"], BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[4],
         CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
-        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1,
+        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
+        RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if splits > 1:
+    if splits > 1 and not fused:
         _reduce_splits_kernel[(T, hq)](
             part_o, part_lse, out, splits,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
@@ -274,4 +411,4 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     return out
 
 
-__all__ = ["kernel_config", "paged_attention_triton"]
+__all__ = ["kernel_config", "paged_attention_triton", "split_counters"]

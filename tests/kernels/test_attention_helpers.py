@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.kernels.attention import AttentionMetadata, plan_attention
+from kvstrata.kernels.attention import AttentionMetadata, SplitPolicy, plan_attention
 
 
 @dataclass
@@ -23,8 +23,11 @@ class PagedCase:
 
 def make_case(seq_lens, q_lens, *, hkv=2, group=4, head_dim=64, page_size=16, num_layers=2,
               layer=1, dtype=torch.float32, causal=True, seed=0, extra_pages=3,
-              num_splits=None, block=False) -> PagedCase:
-    """Random (never zero) paged KV; each sequence's pages are a random, shuffled subset."""
+              num_splits=None, block=False, split_policy=None) -> PagedCase:
+    """Random (never zero) paged KV; each sequence's pages are a random, shuffled subset.
+
+    ``split_policy`` (a :class:`~kvstrata.kernels.attention.SplitPolicy`) lets short test
+    sequences use short splits (e.g. ``align=16``) so every split holds real keys."""
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(s / page_size) for s in seq_lens]
     num_pages = sum(need) + extra_pages
@@ -53,8 +56,12 @@ def make_case(seq_lens, q_lens, *, hkv=2, group=4, head_dim=64, page_size=16, nu
                     torch.randn(total, hkv, head_dim, generator=g).to(dtype))
     meta = plan_attention(bt, torch.tensor(seq_lens, dtype=torch.int32), list(q_lens),
                           page_size=page_size, causal=causal and not block, num_splits=num_splits,
-                          num_kv_heads=hkv)
+                          num_kv_heads=hkv, split_policy=split_policy)
     return PagedCase(q, kv, layer, meta, dense_k, dense_v, block_kv)
+
+
+#: Short splits for short test sequences (every split of a ~100-token sequence holds keys).
+FINE_SPLITS = SplitPolicy(min_tokens=16, fine_min_tokens=16, align=16)
 
 
 def tol(dtype: torch.dtype) -> dict:

@@ -6,15 +6,21 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvstrata.kernels.attention import (choose_num_splits, paged_attention, paged_attention_ref,
-                                        plan_attention)
+from kvstrata.kernels.attention import (SplitPolicy, choose_num_splits, paged_attention,
+                                        paged_attention_ref, plan_attention)
+from kvstrata.kernels.attention_triton import paged_attention_triton, split_counters
 from kvstrata.kernels.kv_write import write_kv
-from test_attention_helpers import make_case, tol
+from test_attention_helpers import FINE_SPLITS, make_case, tol
 
 
-def _check(case, sm_scale=0.3, window=None):
-    got = paged_attention(case.q, case.kv_cache, case.layer, case.meta, sm_scale=sm_scale,
-                          sliding_window=window, block_kv=case.block_kv, impl="triton")
+def _check(case, sm_scale=0.3, window=None, config=None, counters=None):
+    if config is None and counters is None:
+        got = paged_attention(case.q, case.kv_cache, case.layer, case.meta, sm_scale=sm_scale,
+                              sliding_window=window, block_kv=case.block_kv, impl="triton")
+    else:
+        got = paged_attention_triton(case.q, case.kv_cache, case.layer, case.meta,
+                                     sm_scale=sm_scale, sliding_window=window,
+                                     block_kv=case.block_kv, config=config, counters=counters)
     want = paged_attention_ref(case.q, case.kv_cache, case.layer, case.meta, sm_scale=sm_scale,
                                sliding_window=window, block_kv=case.block_kv)
     assert got.dtype == case.q.dtype and got.shape == case.q.shape
@@ -59,17 +65,94 @@ def test_block_mode(window, splits):
     _check(case, sm_scale=0.125, window=window)
 
 
+@pytest.mark.parametrize("mode,group", [("decode", 1), ("decode", 4), ("decode", 8),
+                                        ("verify", 1), ("verify", 4), ("block", 1),
+                                        ("block", 4), ("block", 8)])
+def test_fused_split_reduce_matches_reference_and_two_kernel(mode, group):
+    """Single-launch split-KV (the last split program merges) against the oracle and the
+    two-launch reduce; odd lengths, a window, several split counts, run twice (the arrival
+    counters must be back at zero after each launch)."""
+    seq_lens, q_lens = {"decode": ([200, 1, 97], [1, 1, 1]),
+                        "verify": ([130, 37, 16], [16, 5, 7]),
+                        "block": ([150, 0, 53], [4, 3, 4])}[mode]
+    for splits, window in ((2, None), (5, 70) if mode != "block" else (3, 9)):
+        case = make_case(seq_lens, q_lens, group=group, head_dim=32, page_size=8,
+                         block=mode == "block", num_splits=splits, split_policy=FINE_SPLITS,
+                         seed=splits * 10 + group)
+        assert case.meta.num_splits == splits and case.meta.tokens_per_split % 16 == 0
+        assert (splits - 1) * case.meta.tokens_per_split < max(seq_lens)  # no empty last split
+        counters = torch.zeros(64, dtype=torch.int32)
+        fused = _check(case, window=window, config=dict(FUSED_REDUCE=True, SPLIT_LOOP=True),
+                       counters=counters)
+        assert counters.abs().sum() == 0
+        if splits == 2:
+            again = _check(case, window=window, config=dict(FUSED_REDUCE=True),
+                           counters=counters)
+            assert counters.abs().sum() == 0 and torch.equal(fused, again)
+        two = paged_attention_triton(case.q, case.kv_cache, case.layer, case.meta, sm_scale=0.3,
+                                     sliding_window=window, block_kv=case.block_kv,
+                                     config=dict(FUSED_REDUCE=False))
+        torch.testing.assert_close(fused, two, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_fused_reduce_chunks_and_cached_workspace(chunk):
+    """More splits than the reduce chunk (several merge steps), bf16, the cached per-device
+    counters (zero after the launch), verify-sized query blocks split in two (BLOCK_Q=8); the
+    unmasked-interior loop over several full tiles per split."""
+    case = make_case([300, 111], [16, 3], group=4, head_dim=32, page_size=16,
+                     dtype=torch.bfloat16, num_splits=18, split_policy=FINE_SPLITS, seed=4)
+    assert case.meta.num_splits == 18
+    _check(case, config=dict(FUSED_REDUCE=True, RED_CHUNK=chunk, BLOCK_Q=8))
+    _check(case, config=dict(SPLIT_LOOP=True, BLOCK_N=16))
+    assert split_counters(case.q.device, 1).abs().sum() == 0
+    bad = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="counters"):
+        _check(case, config=dict(FUSED_REDUCE=True), counters=bad)
+
+
 def test_split_choice_is_host_only_and_sane():
     assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 64   # ~4 waves, capped
-    assert choose_num_splits(1, 1024, num_kv_heads=8, num_sms=132) == 2
+    # A few short sequences: 512-token splits would leave SMs idle, so splits go down to 128.
+    assert choose_num_splits(1, 1024, num_kv_heads=8, num_sms=132) == 8
+    assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132) == 64
+    assert choose_num_splits(2, 8192, num_kv_heads=8, num_sms=132) == 16    # 512-token splits fill it
     assert choose_num_splits(128, 32768, num_kv_heads=8, num_sms=132) == 1
     assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132) == 3    # 256 programs: 2 uneven waves
+    assert choose_num_splits(8, 32768, num_kv_heads=8, num_sms=132) == 9
+    # The policy's knobs (what the GPU sweep varies).
+    pol = SplitPolicy(min_tokens=1024, fine_min_tokens=256, waves=2.0, max_splits=16)
+    assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 16
+    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 2
+    assert choose_num_splits(1, 100, num_kv_heads=8, num_sms=132) == 1
+    with pytest.raises(ValueError):
+        SplitPolicy(align=48)
+    with pytest.raises(ValueError):
+        SplitPolicy(min_tokens=64, fine_min_tokens=128)
     bt = torch.zeros(1, 2048, dtype=torch.int32)
     meta = plan_attention(bt, [32768], [1], page_size=16, num_sms=132, num_kv_heads=8)
-    assert meta.num_splits == 64 and meta.tokens_per_split % 64 == 0
+    assert meta.num_splits == 64 and meta.tokens_per_split % 128 == 0
     assert meta.num_splits * meta.tokens_per_split >= 32768
+    meta = plan_attention(bt, [8192], [1], page_size=16, num_sms=132, num_kv_heads=8)
+    assert meta.num_splits == 64 and meta.tokens_per_split == 128
+    meta = plan_attention(bt, [8192], [1], page_size=16, num_sms=132, num_kv_heads=8,
+                          split_policy=SplitPolicy(align=64, max_splits=128))
+    assert meta.num_splits == 64 and meta.tokens_per_split == 128
     meta = plan_attention(bt, torch.tensor([100], dtype=torch.int32), [1], page_size=16)
     assert meta.max_seq_len == 100 and meta.seq_lens_host == [100] and meta.num_splits == 1
+
+
+def test_plan_never_reads_device_values():
+    """Plan from tensors whose values cannot be read (the meta device): any device->host sync
+    (``.tolist()``, ``.item()``, ``int(t)``) would raise."""
+    bt = torch.zeros(3, 512, dtype=torch.int32, device="meta")
+    sl = torch.zeros(3, dtype=torch.int32, device="meta")
+    meta = plan_attention(bt, sl, [1, 1, 1], page_size=16, num_sms=132, num_kv_heads=8)
+    assert meta.max_seq_len == 512 * 16 and meta.num_splits == choose_num_splits(
+        3, 8192, num_kv_heads=8, num_sms=132)
+    meta = plan_attention(bt, sl, [16, 16, 16], page_size=16, num_sms=132, num_kv_heads=8,
+                          seq_lens_host=[4000, 17, 300])
+    assert meta.max_seq_len == 4000 and meta.seq_lens.device.type == "meta"
 
 
 def test_int64_addressing_past_2_31_elements():
@@ -102,16 +185,18 @@ def test_int64_addressing_past_2_31_elements():
 
 @given(lens=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 9)), min_size=1, max_size=4),
        group=st.sampled_from([1, 2, 4, 8]), window=st.one_of(st.none(), st.integers(1, 40)),
-       block=st.booleans(), splits=st.integers(1, 3), seed=st.integers(0, 2 ** 16))
-def test_property_triton_equals_reference(lens, group, window, block, splits, seed):
+       block=st.booleans(), splits=st.integers(1, 3), fused=st.booleans(),
+       split_loop=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_property_triton_equals_reference(lens, group, window, block, splits, fused, split_loop,
+                                          seed):
     seq_lens = [s if block else max(s, q) for s, q in lens]
     q_lens = [q for _, q in lens]
     if sum(q_lens) == 0:
         q_lens[0] = 1
         seq_lens[0] = max(seq_lens[0], 1)
     case = make_case(seq_lens, q_lens, hkv=2, group=group, head_dim=32, page_size=8,
-                     block=block, num_splits=splits, seed=seed)
-    _check(case, window=window)
+                     block=block, num_splits=splits, split_policy=FINE_SPLITS, seed=seed)
+    _check(case, window=window, config=dict(FUSED_REDUCE=fused, SPLIT_LOOP=split_loop))
 
 
 @pytest.mark.gpu
@@ -119,20 +204,54 @@ def test_property_triton_equals_reference(lens, group, window, block, splits, se
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block", [False, True])
 def test_cuda_compiled_kernel_matches_reference(dtype, block):
-    """The compiled kernel on a GPU (run by benchmarks/gpu_run.sh), split and unsplit."""
-    for splits in (1, 4):
+    """The compiled kernel on a GPU (run by benchmarks/gpu_run.sh): unsplit, split with the
+    two-launch reduce and with the fused (atomic arrival counter) reduce."""
+    for splits, fused in ((1, False), (4, False), (4, True), (7, True)):
         c = make_case([300, 1, 77], [1, 1, 16] if not block else [4, 4, 16], hkv=8, group=4,
-                      head_dim=128, dtype=dtype, block=block, num_splits=splits, seed=splits)
+                      head_dim=128, dtype=dtype, block=block, num_splits=splits, seed=splits,
+                      split_policy=FINE_SPLITS)
         q, kv = c.q.cuda(), c.kv_cache.cuda()
         sl, ql = c.meta.host_lens()
         meta = plan_attention(c.meta.block_tables, sl, ql, page_size=16, causal=not block,
-                              num_splits=splits, device="cuda")
+                              num_splits=splits, device="cuda", split_policy=FINE_SPLITS)
         bkv = None if c.block_kv is None else (c.block_kv[0].cuda(), c.block_kv[1].cuda())
         for window in (None, 50):
-            got = paged_attention(q, kv, c.layer, meta, sm_scale=0.1, sliding_window=window,
-                                  block_kv=bkv, impl="triton")
+            got = paged_attention_triton(q, kv, c.layer, meta, sm_scale=0.1,
+                                         sliding_window=window, block_kv=bkv,
+                                         config=dict(FUSED_REDUCE=fused))
             want = paged_attention_ref(c.q, c.kv_cache, c.layer, c.meta, sm_scale=0.1,
                                        sliding_window=window, block_kv=c.block_kv)
             torch.testing.assert_close(got.cpu().float(), want.float(),
                                        **(tol(dtype) if dtype != torch.float32
                                           else dict(atol=1e-4, rtol=1e-4)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_reduce_repeated_launches_and_graph_replay():
+    """Many split programs racing for the arrival counters, launched again and again (eagerly and
+    from a CUDA graph): every result equals the two-launch reduce's."""
+    c = make_case([4096, 1500, 77, 4000], [1, 1, 1, 16], hkv=8, group=4, head_dim=128,
+                  dtype=torch.bfloat16, num_splits=48, split_policy=FINE_SPLITS, seed=9)
+    q, kv = c.q.cuda(), c.kv_cache.cuda()
+    sl, ql = c.meta.host_lens()
+    meta = plan_attention(c.meta.block_tables, sl, ql, page_size=16, num_splits=48,
+                          device="cuda", split_policy=FINE_SPLITS)
+    run = lambda fused: paged_attention_triton(q, kv, c.layer, meta, sm_scale=0.1,  # noqa: E731
+                                               config=dict(FUSED_REDUCE=fused, BLOCK_N=32))
+    want = run(False)
+    for _ in range(20):
+        torch.testing.assert_close(run(True), want, atol=2e-3, rtol=0)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(True)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = run(True)
+    for _ in range(20):
+        out.zero_()
+        g.replay()
+        torch.testing.assert_close(out, want, atol=2e-3, rtol=0)
+    assert split_counters(q.device, 1).abs().sum().item() == 0
