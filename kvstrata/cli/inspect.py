@@ -1,7 +1,8 @@
 """Inspect a disk tier offline: ``kvstrata inspect PATH [--list | --page HASH | --verify] [--json]``.
 
-Opens the LMDB environment read-only, so it works while an engine keeps writing to it (it reads
-one consistent snapshot). ``--verify`` decodes every page with its codec and exits with status 1,
+Opens the tier read-only (record heads from one LMDB snapshot, payloads from the segment files),
+so it works while an engine keeps writing to it; a payload the writer moves or reclaims meanwhile
+is followed to its new place or left out. ``--verify`` decodes every page with its codec and exits with status 1,
 naming the bad pages, if any record is damaged or does not decode.
 """
 
@@ -17,7 +18,7 @@ HELP = "summarize, list, show or verify the pages of a disk tier"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="directory of the disk tier (LMDB environment)")
+    p.add_argument("path", metavar="PATH", help="directory of the disk tier")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--list", action="store_true", help="one row per page, oldest access first")
     mode.add_argument("--page", metavar="HASH", help="header and token ids of one page (hex hash)")
@@ -64,7 +65,8 @@ def _summary(disk, rows, bad) -> dict:
     return {
         "path": info["path"], "pages": len(rows), "unreadable": len(bad),
         "stored_bytes": info["stored_bytes"], "capacity_bytes": info["capacity_bytes"],
-        "map_size": info["map_size"],
+        "map_size": info["map_size"], "segments": info["segments"],
+        "segment_file_bytes": info["segment_file_bytes"],
         "groups": {n: {"codecs": dict(s["codecs"]), "raw_bytes": s["raw"],
                        "stored_bytes": s["stored"],
                        "ratio": round(s["raw"] / s["stored"], 3) if s["stored"] else None}
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("pages", str(doc["pages"]) + (f" ({doc['unreadable']} unreadable)" if bad else ""))
     t.add_row("stored", f"{format_bytes(doc['stored_bytes'])} of {format_bytes(doc['capacity_bytes'])}"
               f" capacity (map {format_bytes(doc['map_size'])})")
+    t.add_row("segments", f"{doc['segments']} files, {format_bytes(doc['segment_file_bytes'])}")
     t.add_row("namespaces", ", ".join(f"{k[:12]}… ({v})" for k, v in doc["namespaces"].items()) or "-")
     if doc["pages"]:
         t.add_row("age", f"{doc['newest_age_s']} s … {doc['oldest_age_s']} s")

@@ -6,8 +6,8 @@ Layout (all integers little-endian)::
 
 A record travels either as that one buffer (``kvstrata inspect``, tests) or as its parts
 ``[head, payload_0, payload_1, ...]`` where ``head`` is everything up to the end of the header:
-the disk tier stores each part as its own value so that a payload goes from the host slot into
-LMDB without being joined first. Both forms parse to the same :class:`Record`.
+the disk tier keeps the head in LMDB and writes the payloads to a segment file straight from the
+host slot, without joining them first. Both forms parse to the same :class:`Record`.
 
 The header holds the format version, namespace digest, page hash, parent hash, the page's token
 ids, the time it was written, and per group: name, codec name + version, dtype, shape, payload
@@ -42,7 +42,8 @@ from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
 #: Bump whenever the record layout or header schema changes; older records become misses.
 #: 2: the disk tier stores head and payloads as separate values (version 1 joined them).
-FORMAT_VERSION = 2
+#: 3: the disk tier keeps heads in LMDB and payloads in append-only segment files.
+FORMAT_VERSION = 3
 MAGIC = b"KVSR"
 _PREFIX = struct.Struct("<4sII")
 

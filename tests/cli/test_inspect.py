@@ -56,6 +56,8 @@ def test_summary(tmp_path, capsys):
     assert doc["groups"]["draft"]["codecs"] == {"lossless v1": 6}
     assert doc["capacity_bytes"] == (1 << 22) // 2
     assert list(doc["namespaces"].values()) == [6]
+    assert doc["segments"] >= 1
+    assert doc["segment_file_bytes"] == sum(g["stored_bytes"] for g in doc["groups"].values())
     assert 0 <= doc["newest_age_s"] <= doc["oldest_age_s"] < 600
     assert main(["inspect", str(tmp_path / "d")]) == 0     # the rich rendering runs too
     assert "groups" in capsys.readouterr().out
@@ -87,6 +89,26 @@ def test_verify_names_bad_pages(tmp_path, capsys):
     assert rc == 1 and [b["hash"] for b in doc["bad"]] == [victim.hex()]
     assert main(["inspect", str(tmp_path / "d"), "--verify"]) == 1
     assert victim.hex() in capsys.readouterr().out
+
+
+def test_verify_names_a_page_whose_payload_was_damaged_in_its_segment(tmp_path, capsys):
+    _, ns, prompts = _fill(tmp_path / "d")
+    from kvstrata.tiers import disk as disk_mod
+    victim = page_hashes(ns, prompts[2])[0]
+    with DiskTier(tmp_path / "d", readonly=True) as d:
+        with d.env.begin() as txn:
+            seg, off, lens = disk_mod._loc(txn.get(victim, db=d._index))
+        seg_path = d._seg_path(seg)
+    with open(seg_path, "r+b") as f:
+        f.seek(off + lens[0] + lens[1] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    rc, doc = _json(capsys, tmp_path / "d", "--verify")
+    assert rc == 1 and [b["hash"] for b in doc["bad"]] == [victim.hex()]
+    assert "draft" in doc["bad"][0]["error"]            # the group whose CRC failed
+    rc, doc = _json(capsys, tmp_path / "d")               # the summary still reads it
+    assert rc == 0 and doc["pages"] == 6
 
 
 def test_missing_path_is_a_clear_error(tmp_path, capsys):

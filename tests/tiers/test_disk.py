@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import lmdb
 import pytest
 
 from kvstrata.tiers import DiskTier
+from kvstrata.tiers import disk as disk_mod
 
 
 def _items(keys, size=1000):
@@ -133,51 +136,199 @@ def test_bad_arguments_are_value_errors(tmp_path):
         DiskTier(tmp_path / "plain", readonly=True)
 
 
+def _segment_bytes(d, h):
+    """The payload bytes of record ``h`` as they sit in its segment file."""
+    with d.env.begin() as txn:
+        seg, off, lens = disk_mod._loc(txn.get(h, db=d._index))
+    with open(d._seg_path(seg), "rb") as f:
+        f.seek(off)
+        return seg, [f.read(n) for n in lens]
+
+
 def test_parts_are_stored_apart_and_read_back_in_order(tmp_path):
     parts = [b"head", memoryview(b"payload-0" * 100), b"", b"payload-2"]
     with DiskTier(tmp_path / "d", map_size=1 << 22) as d:
         assert d.put_batch([(_key(1), parts)]) == 1
         with d.reader() as get:
             assert [bytes(p) for p in get(_key(1))] == [bytes(p) for p in parts]
-        with d.env.begin() as txn:
+        with d.env.begin() as txn:                  # only the head lives in LMDB
             assert txn.get(_key(1), db=d._pages) == b"head"
-            assert txn.get(_key(1) + b"\x02", db=d._payloads) == b"payload-2"
+        seg, payloads = _segment_bytes(d, _key(1))  # the payloads back to back in a segment
+        assert payloads == [bytes(p) for p in parts[1:]]
+        assert d.segments() == {seg: (909, 1, 909)}
         assert dict(d.iter_records()) == {_key(1): b"".join(parts)}
         assert d.stored_bytes() == sum(len(p) for p in parts)
         d.delete([_key(1)])
         with d.env.begin() as txn:
-            assert txn.stat(d._payloads)["entries"] == 0 and txn.stat(d._pages)["entries"] == 0
+            assert txn.stat(d._pages)["entries"] == txn.stat(d._byseg)["entries"] == 0
+        assert d.segments() == {seg: (0, 0, 909)}   # the current segment stays while open
+    with DiskTier(tmp_path / "d", map_size=1 << 22) as d:   # ... and goes when a writer opens
+        assert d.segments() == {} and os.listdir(d.segdir) == []
 
 
-def test_eviction_removes_every_part(tmp_path):
-    with DiskTier(tmp_path / "d", map_size=1 << 22, capacity_bytes=2 * 300) as d:
+def test_eviction_removes_every_part_and_empty_segments(tmp_path):
+    with DiskTier(tmp_path / "d", map_size=1 << 22, capacity_bytes=2 * 300,
+                  segment_bytes=200) as d:
         for i in range(4):
             d.put_batch([(_key(i), [b"h" * 100, b"a" * 100, b"b" * 100])])
         assert d.keys_by_age() == [_key(2), _key(3)] and d.stats["evictions"] == 2
         with d.env.begin() as txn:
-            assert txn.stat(d._payloads)["entries"] == 4
+            assert txn.stat(d._byseg)["entries"] == 2
+        # one record per segment (its 200 payload bytes fill it): the segments of the evicted
+        # records are unlinked, the two live ones stay
+        segs = d.segments()
+        assert segs == {3: (200, 1, 200), 4: (200, 1, 200)}
+        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d._seg_path(s)) for s in segs)
+        assert d.stats["segments_deleted"] == 2
 
 
-def test_payloads_without_a_head_are_invisible_and_swept(tmp_path):
+def test_writer_open_removes_orphans_and_torn_tails(tmp_path):
     path = tmp_path / "d"
     with DiskTier(path, map_size=1 << 22) as d:
-        d.put_batch([(_key(1), [b"h1", b"p1"]), (_key(2), [b"h2", b"p2", b"q2"])])
-        with d.env.begin(write=True) as txn:     # what a version-1 writer's delete leaves behind
-            txn.delete(_key(2), db=d._pages)
-            txn.put(_key(3) + b"\x00", b"stray", db=d._payloads)
-        with d.reader() as get:
-            assert get(_key(2)) is None and get(_key(3)) is None
-        # A new record under a hash with stale parts keeps only its own parts.
-        d.put_batch([(_key(3), [b"h3", b"p3"])])
-        with d.reader() as get:
-            assert [bytes(p) for p in get(_key(3))] == [b"h3", b"p3"]
-    with DiskTier(path, map_size=1 << 22) as d:   # a writer opening the tier sweeps the rest
-        assert d.stats["orphans"] == 2
-        with d.env.begin() as txn:
-            assert [k for k, _ in txn.cursor(db=d._payloads)] == [_key(1) + b"\x00",
-                                                                  _key(3) + b"\x00"]
-    with DiskTier(path, readonly=True) as r:
+        d.put_batch([(_key(1), [b"h1", b"p1" * 10]), (_key(2), [b"h2", b"p2", b"q2"])])
+        (seg, (_, _, end)), = d.segments().items()
+        stray = d._seg_path(seg + 7)
+    with open(stray, "wb") as f:            # a segment whose batch never committed
+        f.write(b"x" * 100)
+    with open(os.path.join(path, "segments", os.path.basename(d._seg_path(seg))), "ab") as f:
+        f.write(b"torn" * 50)               # bytes of a batch killed before its commit
+    with DiskTier(path, readonly=True) as r:    # readers never look past committed bytes
+        with r.reader() as get:
+            assert [bytes(p) for p in get(_key(2))] == [b"h2", b"p2", b"q2"]
         assert r.sweep_orphans() == 0
+    with DiskTier(path, map_size=1 << 22) as d:
+        assert d.stats["orphans"] == 2
+        assert not os.path.exists(stray) and os.path.getsize(d._seg_path(seg)) == end
+        with d.reader() as get:
+            assert [bytes(p) for p in get(_key(1))] == [b"h1", b"p1" * 10]
+        assert d.put_batch([(_key(3), [b"h3", b"p3"])]) == 1   # into a new segment
+        assert len(d.segments()) == 2
+
+
+def test_one_writer_at_a_time(tmp_path):
+    with DiskTier(tmp_path / "d", map_size=1 << 22) as d:
+        with pytest.raises(ValueError, match="open for writing"):
+            DiskTier(tmp_path / "d", map_size=1 << 22)
+        d.put_batch(_items([_key(1)]))
+    with DiskTier(tmp_path / "d", map_size=1 << 22) as d:     # released on close
+        assert len(d) == 1
+
+
+def _rec(i: int, n: int = 1000) -> tuple[bytes, list[bytes]]:
+    """A record whose every byte is derived from its key (so a mix-up shows)."""
+    k = _key(i)
+    return k, [b"H" + k, (k * (n // 16 + 1))[:n]]
+
+
+def _ids(keys) -> list[int]:
+    return [int.from_bytes(k, "little") for k in keys]
+
+
+def _where(d, i: int) -> tuple[int, int]:
+    with d.env.begin() as txn:
+        seg, off, _ = disk_mod._loc(txn.get(_key(i), db=d._index))
+    return seg, off
+
+
+def test_segments_are_reclaimed_under_capacity_pressure(tmp_path):
+    # 1000-byte payloads + 17-byte heads; room for 6 records; a segment rolls once it holds
+    # 2000 bytes; no slack: the files may not exceed the capacity after a write.
+    cap = 6 * 1017
+    with DiskTier(tmp_path / "d", map_size=1 << 22, capacity_bytes=cap, segment_bytes=2000,
+                  reclaim_slack=0) as d:
+        assert d.file_limit() == cap
+        for b in range(3):
+            assert d.put_batch([_rec(2 * b), _rec(2 * b + 1)]) == 2
+        assert d.segments() == {1: (2000, 2, 2000), 2: (2000, 2, 2000), 3: (2000, 2, 2000)}
+        d.touch([_key(0), _key(2), _key(4)])         # one hot record in each segment
+        # Record 6 evicts the coldest (1), which leaves segment 1 half dead: 7000 bytes of files
+        # > 6102, so the write compacts segment 1 (the most dead bytes): record 0 is re-appended
+        # next to record 6 in segment 4 and segment 1 is unlinked.
+        assert d.put_batch([_rec(6)]) == 1
+        assert d.segments() == {2: (2000, 2, 2000), 3: (2000, 2, 2000), 4: (2000, 2, 2000)}
+        assert _where(d, 6) == (4, 0) and _where(d, 0) == (4, 1000)
+        assert _ids(d.keys_by_age()) == [3, 5, 0, 2, 4, 6]     # compaction keeps the LRU order
+        assert not os.path.exists(d._seg_path(1))
+        # Each further record evicts one cold record and moves one hot one.
+        for i in range(7, 12):
+            assert d.put_batch([_rec(i)]) == 1
+        assert d.segments() == {7: (2000, 2, 2000), 8: (2000, 2, 2000), 9: (2000, 2, 2000)}
+        assert _ids(d.keys_by_age()) == [6, 7, 8, 9, 10, 11]
+        st = d.stats
+        assert (st["evictions"], st["compactions"], st["moved_records"], st["moved_bytes"],
+                st["segments_deleted"]) == (6, 6, 6, 6000, 6)
+        assert sorted(os.listdir(d.segdir)) == [os.path.basename(d._seg_path(s)) for s in (7, 8, 9)]
+        with d.reader() as get:                        # every record intact after its moves
+            for i in range(6, 12):
+                assert [bytes(p) for p in get(_key(i))] == _rec(i)[1]
+    with DiskTier(tmp_path / "d", map_size=1 << 22, capacity_bytes=cap) as d:  # and after a restart
+        assert _ids(d.keys_by_age()) == [6, 7, 8, 9, 10, 11] and d.stored_bytes() == cap
+
+
+_READER = """
+import json, sys, time
+from kvstrata.tiers import DiskTier
+d = DiskTier(sys.argv[1], readonly=True)
+hits = misses = 0
+wrong, short = [], []
+t0 = time.monotonic()
+while time.monotonic() - t0 < float(sys.argv[2]):
+    keys = d.keys_by_age()
+    with d.reader() as get:        # a snapshot kept open while the writer moves and unlinks
+        for k in keys:
+            parts = get(k)
+            if parts is None:
+                misses += 1
+                continue
+            i = int.from_bytes(k, "little")
+            want = [b"H" + k, (k * (4096 // 16 + 1))[:4096]]
+            got = [bytes(p) for p in parts]
+            if len(got) != 2:
+                short.append(i)
+            elif got != want:
+                wrong.append(i)
+            else:
+                hits += 1
+            time.sleep(0.0002)
+print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "short": short,
+                  "relocated": d.stats["relocated"]}))
+"""
+
+
+def test_reader_process_never_gets_a_wrong_page_while_segments_are_reclaimed(tmp_path):
+    path = tmp_path / "d"
+    cap = 12 * (4096 + 17)
+    # (a map with room for the pages the reader's snapshots pin while the writer churns)
+    with DiskTier(path, map_size=1 << 26, capacity_bytes=cap, segment_bytes=4 * 4096,
+                  reclaim_slack=0) as d:
+        for i in range(12):
+            d.put_batch([_rec(i, 4096)])
+        p = subprocess.Popen([sys.executable, "-c", _READER, str(path), "4"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        i = 12
+        while p.poll() is None:
+            d.touch([_key(j) for j in range(max(0, i - 12), i, 3)])   # every third record hot
+            d.put_batch([_rec(i, 4096), _rec(i + 1, 4096)])
+            i += 2
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        res = json.loads(out)
+        assert res["wrong"] == [] and res["short"] == [], res
+        assert res["hits"] > 100 and res["relocated"] > 0, res
+        assert d.stats["write_errors"] == 0, d.stats
+        assert d.stats["compactions"] > 10 and d.stats["segments_deleted"] > 10, d.stats
+        with d.reader() as get:
+            for k in d.keys_by_age():
+                assert [bytes(p) for p in get(k)] == _rec(int.from_bytes(k, "little"), 4096)[1]
+
+
+def test_default_segment_size_and_slack(tmp_path):
+    with DiskTier(tmp_path / "a", map_size=1 << 22) as d:             # capacity 2 MiB
+        assert d.segment_bytes == 1 << 20 and d.reclaim_slack == 2 << 20
+    with DiskTier(tmp_path / "b", map_size=8 << 30, capacity_bytes=4 << 30) as d:
+        assert d.segment_bytes == 256 << 20 and d.reclaim_slack == 512 << 20
+    with pytest.raises(ValueError, match="segment_bytes"):
+        DiskTier(tmp_path / "c", map_size=1 << 22, segment_bytes=0)
 
 
 def test_part_count_is_checked(tmp_path):

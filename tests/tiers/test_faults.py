@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import time
 
@@ -13,6 +14,7 @@ import torch
 from kvstrata.codecs import get_codec
 from kvstrata.pagepool import PageInfo, hash_page
 from kvstrata.tiers import DiskTier, record
+from kvstrata.tiers import disk as disk_mod
 from kvstrata.tiers.record import build_record, check_groups, check_identity, check_payloads, parse_record
 
 from tierutil import PAGE, Stack, make_groups, page_content
@@ -53,6 +55,11 @@ def _verify_all(path) -> int:
             n += 1
             total += len(buf)
         assert len(d.keys_by_age()) == n and d.stored_bytes() == total
+        # the writer's open cut every torn tail: the files hold exactly the committed bytes
+        for seg, (live, count, end) in d.segments().items():
+            assert os.path.getsize(d._seg_path(seg)) == end and count > 0
+        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d._seg_path(s))
+                                                      for s in d.segments())
         return n
 
 
@@ -117,13 +124,15 @@ def test_flipped_bytes_in_stored_records_are_all_detected(tmp_path):
     rng = random.Random(4)
     keys = s.disk.keys_by_age()
     assert len(keys) == 8
-    with s.disk.env.begin(write=True) as txn:
-        for i, k in enumerate(keys):
-            # Alternate between the head and the payload parts (one per group).
-            key, db = (k, s.disk._pages) if i % 3 == 0 else (k + bytes((i % 3 - 1,)), s.disk._payloads)
-            v = bytearray(txn.get(key, db=db))
-            v[rng.randrange(len(v))] ^= 1 << rng.randrange(8)
-            txn.put(key, bytes(v), db=db)
+    for i, k in enumerate(keys):
+        # Alternate between the head (in LMDB) and the payloads (one per group, in a segment).
+        if i % 3 == 0:
+            with s.disk.env.begin(write=True) as txn:
+                v = bytearray(txn.get(k, db=s.disk._pages))
+                v[rng.randrange(len(v))] ^= 1 << rng.randrange(8)
+                txn.put(k, bytes(v), db=s.disk._pages)
+        else:
+            _flip_payload_bit(s.disk, k, i % 3 - 1, rng)
     for p in prompts:
         seq = s.run(p)
         assert seq.num_cached_tokens == 0
@@ -131,6 +140,19 @@ def test_flipped_bytes_in_stored_records_are_all_detected(tmp_path):
     assert st["checksum_failures"] + st["mismatches"] == 8
     assert st["h2d_pages"] == 0 and len(s.disk) == 0
     s.tiers.close()
+
+
+def _flip_payload_bit(disk, h: bytes, group: int, rng) -> None:
+    """Flip one bit of group ``group``'s payload of record ``h`` in its segment file."""
+    with disk.env.begin() as txn:
+        seg, off, lens = disk_mod._loc(txn.get(h, db=disk._index))
+    pos = off + sum(lens[:group]) + rng.randrange(lens[group])
+    fd = os.open(disk._seg_path(seg), os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([b[0] ^ (1 << rng.randrange(8))]), pos)
+    finally:
+        os.close(fd)
 
 
 def test_map_too_small_for_the_traffic(tmp_path):
@@ -187,36 +209,58 @@ def test_record_written_under_another_namespace_is_a_miss(tmp_path):
     # Plant another model's record under this model's key: same key, foreign header.
     head, *payloads = _records(1, seed=8)[0][1]
     h0 = page_hashes(s.ns, prompts[0])[0]
-    with s.disk.env.begin(write=True) as txn:
-        txn.put(h0, head, db=s.disk._pages)
-        for i, p in enumerate(payloads):
-            txn.put(h0 + bytes((i,)), p, db=s.disk._payloads)
+    s.disk.delete([h0])
+    assert s.disk.put_batch([(h0, [head, *payloads])]) == 1
     assert s.run(prompts[0]).num_cached_tokens == 0
     assert s.run(prompts[1]).num_cached_tokens == 2 * PAGE
     assert s.tiers.stats()["mismatches"] == 1
     s.tiers.close()
 
 
-def test_version_1_joined_records_are_a_clean_miss(tmp_path, monkeypatch):
-    """A tier written by format 1: the whole record as one value, no ``payloads`` database."""
+def _rewrite_in_old_layout(path, version: int) -> int:
+    """Turn a tier into what format ``version`` wrote: format 1, whole records in ``pages``;
+    format 2, heads in ``pages`` and each payload in ``payloads`` under hash || group; both with
+    ``(seq, bytes)`` index values and no segments. Returns the number of records."""
     import lmdb
-    prompts = _prompts(2, 2, seed=9)
-    _fill_as_version(tmp_path, monkeypatch, 1, prompts)
-    with DiskTier(tmp_path / "disk", readonly=True) as r:
-        joined = dict(r.iter_records())
-    env = lmdb.open(str(tmp_path / "disk"), max_dbs=5)         # rewrite it in the v1 layout
-    pages, payloads = env.open_db(b"pages"), env.open_db(b"payloads")
+    with DiskTier(path, readonly=True) as r:
+        with r.reader() as get:
+            recs = {k: [bytes(p) for p in get(k)] for k in r.keys_by_age()}
+    env = lmdb.open(str(path), max_dbs=8)
+    pages, index = env.open_db(b"pages"), env.open_db(b"index")
+    payloads = env.open_db(b"payloads") if version == 2 else None
+    stale = [env.open_db(b"segs"), env.open_db(b"byseg")]
     with env.begin(write=True) as txn:
-        for k, v in joined.items():
-            txn.put(k, v, db=pages)
-        txn.drop(payloads, delete=True)
+        for db in stale:
+            txn.drop(db, delete=True)
+        for k, parts in recs.items():
+            txn.put(k, parts[0] if version == 2 else b"".join(parts), db=pages)
+            if version == 2:
+                for i, p in enumerate(parts[1:]):
+                    txn.put(k + bytes((i,)), p, db=payloads)
+            txn.put(k, txn.get(k, db=index)[:16], db=index)
     env.close()
-    with DiskTier(tmp_path / "disk", readonly=True) as r:       # readers cope without payloads
-        assert r._payloads is None and len(r) == 4
-        with pytest.raises(record.RecordMismatch, match="version 1"):
+    shutil.rmtree(path / "segments")
+    return len(recs)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_records_of_older_formats_are_a_clean_miss(tmp_path, monkeypatch, version):
+    """Tiers written by format 1 (joined records) or 2 (payloads inside LMDB): every record reads
+    back as a lone head or whole record of an older version, a counted mismatch, deleted."""
+    prompts = _prompts(2, 2, seed=9)
+    _fill_as_version(tmp_path, monkeypatch, version, prompts)
+    assert _rewrite_in_old_layout(tmp_path / "disk", version) == 4
+    with DiskTier(tmp_path / "disk", readonly=True) as r:       # readers cope without segments
+        assert r._segs is None and len(r) == 4
+        with pytest.raises(record.RecordMismatch, match=f"version {version}"):
             parse_record(next(r.iter_records())[1])
     st = _all_miss(tmp_path, prompts)
     assert st["mismatches"] == 2 and st["disk_pages"] == 4 - 2
+    with DiskTier(tmp_path / "disk", map_size=1 << 24) as d:    # format 2's payloads are gone
+        import lmdb
+        with pytest.raises(lmdb.NotFoundError):
+            d.env.open_db(b"payloads", create=False)
+        assert d.segments() == {}
 
 
 def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
@@ -224,14 +268,64 @@ def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
     s = Stack(tmp_path)
     _fill_disk(s, prompts)
     from kvstrata.pagepool import page_hashes
-    h = page_hashes(s.ns, prompts[0])[1]
-    with s.disk.env.begin(write=True) as txn:
-        assert txn.delete(h + bytes((1,)), db=s.disk._payloads)      # the second group's part
-    assert s.run(prompts[0]).cached_from["lower"] == 1
+    where = {}
+    with s.disk.env.begin() as txn:
+        for p, prompt in enumerate(prompts):
+            for i, h in enumerate(page_hashes(s.ns, prompt)):
+                where[disk_mod._loc(txn.get(h, db=s.disk._index))] = (p, i, h)
+    (seg, off, lens), (p, i, h) = max(where.items())     # the record at the end of a segment
+    assert len(s.disk.segments()) == 1
+    os.truncate(s.disk._seg_path(seg), off + lens[0] + 1)        # its second payload cut short
+    assert s.run(prompts[p]).cached_from["lower"] == i
     st = s.tiers.stats()
     assert st["checksum_failures"] == 1 and st["mismatches"] == 0
     assert s.disk.contains([h]) == [False]
-    with s.disk.env.begin() as txn:                                   # every part is gone
+    with s.disk.env.begin() as txn:                                   # head and index are gone
         assert txn.get(h, db=s.disk._pages) is None
-        assert txn.get(h + bytes((0,)), db=s.disk._payloads) is None
+        assert txn.get(seg.to_bytes(8, "big") + h, db=s.disk._byseg) is None
     s.tiers.close()
+
+
+def test_missing_segment_is_a_counted_miss(tmp_path):
+    prompts = _prompts(2, 2, seed=11)
+    s = Stack(tmp_path)
+    _fill_disk(s, prompts)
+    for name in os.listdir(s.disk.segdir):                         # someone deleted the files
+        os.unlink(os.path.join(s.disk.segdir, name))
+    for p in prompts:
+        assert s.run(p).num_cached_tokens == 0
+    st = s.tiers.stats()
+    assert st["checksum_failures"] == 2 and st["mismatches"] == 0 and st["disk_pages"] == 2
+    s.tiers.close()
+
+
+def test_kill_9_between_payload_write_and_commit_leaves_a_torn_tail_that_is_ignored(tmp_path):
+    """The writer dies after its payloads reached the segment, before the heads' commit."""
+    records = _records(3 * 8, seed=12)
+    path = tmp_path / "d"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            d = DiskTier(path, map_size=1 << 26)
+            d.put_batch(records[:8])
+            d.put_batch(records[8:16])
+
+            def die():
+                os.kill(os.getpid(), signal.SIGKILL)
+            d.before_commit = die
+            d.put_batch(records[16:])
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    with DiskTier(path, readonly=True) as r:
+        (seg, (live, count, end)), = r.segments().items()
+        assert count == 16 and live == end
+        torn = os.path.getsize(r._seg_path(seg)) - end
+        assert torn == sum(len(p) for _, parts in records[16:] for p in parts[1:])
+        with r.reader() as get:
+            assert [get(h) is not None for h, _ in records] == [True] * 16 + [False] * 8
+    assert _verify_all(path) == 16          # a writer's open cuts the tail (checked inside)
+    with DiskTier(path, map_size=1 << 26) as d:
+        assert d.put_batch(records[16:]) == 8
+    assert _verify_all(path) == 24

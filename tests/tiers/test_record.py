@@ -124,3 +124,13 @@ def test_missing_extra_or_misplaced_parts_are_corrupt():
         verify_record([head, p0, bytes(flipped)], NS.digest, info, GROUPS, CODECS, PAGE)
     with pytest.raises(ChecksumError):                  # same sizes, swapped: the CRCs catch it
         verify_record([head, p1, p0], NS.digest, info, GROUPS, CODECS, PAGE)
+
+
+def test_format_3_and_records_of_format_2_are_a_mismatch(monkeypatch):
+    assert record.FORMAT_VERSION == 3        # payloads in segment files (the disk tier)
+    monkeypatch.setattr(record, "FORMAT_VERSION", 2)
+    info, parts = _parts()
+    monkeypatch.undo()
+    for form in (parts, b"".join(parts), parts[:1]):
+        with pytest.raises(RecordMismatch, match="format version 2"):
+            parse_record(form)
