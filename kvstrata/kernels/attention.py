@@ -51,7 +51,8 @@ class SplitPolicy:
         min_tokens: shortest split when the batch can fill the GPU with splits this long.
         fine_min_tokens: shortest split when even ``min_tokens`` splits would leave SMs idle
             (fewer than ``num_sms`` programs); ``fine_min_tokens >= align``.
-        waves: target number of program waves (``programs ~ waves * num_sms``).
+        waves: decode's target programs per SM (``programs <= waves * num_sms``).
+        verify_waves: the same for multi-token queries (``programs >= verify_waves * num_sms``).
         max_splits: upper bound on the split factor.
         align: ``tokens_per_split`` is rounded up to a multiple of this (a power of two >= 16;
             the kernel needs its KV tile size BLOCK_N to divide it).
@@ -60,6 +61,7 @@ class SplitPolicy:
     min_tokens: int = MIN_TOKENS_PER_SPLIT
     fine_min_tokens: int = FINE_MIN_TOKENS_PER_SPLIT
     waves: float = 4.0
+    verify_waves: float = 8.0
     max_splits: int = MAX_SPLITS
     align: int = SPLIT_ALIGN
 
@@ -69,7 +71,7 @@ class SplitPolicy:
         if not (self.align <= self.fine_min_tokens <= self.min_tokens):
             raise ValueError("need align <= fine_min_tokens <= min_tokens, got "
                              f"{self.align}, {self.fine_min_tokens}, {self.min_tokens}")
-        if self.waves <= 0 or self.max_splits < 1:
+        if self.waves <= 0 or self.verify_waves <= 0 or self.max_splits < 1:
             raise ValueError(f"waves must be > 0 and max_splits >= 1, got {self.waves}, "
                              f"{self.max_splits}")
 
@@ -141,20 +143,25 @@ def _as_host_list(x, what: str) -> list[int] | None:
 
 def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
                       num_q_blocks: int = 1, num_sms: int = 132,
-                      policy: SplitPolicy | None = None) -> int:
+                      policy: SplitPolicy | None = None, max_query_len: int = 1) -> int:
     """Split-KV factor for a batch (host arithmetic only, never a device sync).
 
-    Aims at ``policy.waves`` waves of programs on ``num_sms`` SMs (with fewer, the last partial
-    wave leaves SMs idle: 256 programs on 132 SMs run as 2 uneven waves), with no split shorter
-    than ``policy.min_tokens``; when even that leaves fewer programs than SMs (a few sequences),
-    splits may shrink to ``policy.fine_min_tokens``. Capped at ``policy.max_splits``.
+    Decode (one query token per sequence) aims at ``policy.waves`` programs per SM and never
+    more (``floor``): a last, partial wave runs with too few programs to keep HBM busy. On an
+    H200, 32 x 8k decode took 351 us with 3 splits (768 programs) and 260 us with 2 (512).
+    Multi-token queries (verify) aim at ``policy.verify_waves`` (``ceil``): their programs carry
+    more rows and wanted about twice as many (docs/benchmarks.md, attention config sweep). No
+    split is shorter than ``policy.min_tokens``, or ``policy.fine_min_tokens`` when even that
+    leaves fewer programs than SMs (a few sequences). Capped at ``policy.max_splits``.
     """
     pol = policy or DEFAULT_SPLIT_POLICY
     programs = max(1, num_seqs * num_kv_heads * num_q_blocks)
-    target = pol.waves * num_sms
-    if programs >= target:
+    if max_query_len <= 1:
+        want = math.floor(pol.waves * num_sms / programs)
+    else:
+        want = math.ceil(pol.verify_waves * num_sms / programs)
+    if want <= 1:
         return 1
-    want = math.ceil(target / programs)
     most = max(1, max_seq_len // pol.min_tokens)
     if programs * most < num_sms:
         most = max(1, max_seq_len // pol.fine_min_tokens)
@@ -229,7 +236,7 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
         q_blocks = max(1, math.ceil(max_q / 16))
         num_splits = choose_num_splits(n, max_s, num_kv_heads=num_kv_heads,
                                        num_q_blocks=q_blocks, num_sms=num_sms,
-                                       policy=split_policy)
+                                       policy=split_policy, max_query_len=max_q)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     align = (split_policy or DEFAULT_SPLIT_POLICY).align

@@ -272,7 +272,8 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
     tl.store(out_ptr + t * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
+def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0
+                  ) -> dict:
     """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
     any of them; ``benchmarks/attention_bench.py --sweep-cases`` measures the alternatives).
 
@@ -286,22 +287,19 @@ def kernel_config(group: int, head_dim: int, max_query_len: int) -> dict:
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
     block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # Measured on an H200 (docs/benchmarks.md, config sweep): 32-token KV tiles win for verify
-    # (64 query rows: register pressure, 4 stages hide the loads); decode keeps 64-token tiles
-    # (32 won only at batch 32 x 8k and lost 20% at batch 128).
+    # Measured on an H200 (docs/benchmarks.md, attention config sweep, bf16 GQA 32/8 d128):
+    # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
+    # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
+    # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
+    # reduce lost everywhere (its merging program walks the rows serially), so it stays off.
     block_m = block_q * group_pad
-    if block_m >= 64:
-        block_n, stages = 32, 4
-    else:
-        block_n, stages = 64, 2
-    if block_d > 128:
+    if block_m >= 64 or block_d > 128:
         block_n = 32
-    # FUSED_REDUCE / SPLIT_LOOP: off until the GPU sweep says where they win. (The fused merge
-    # is done by one program per query block, serially over its rows: cheap for decode-sized
-    # blocks, a longer tail for 64-row verify blocks.)
+    else:
+        block_n = 32 if 0 < tokens_per_split <= 128 else 64
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4 if block_m <= 64 else 8, num_stages=stages,
-                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=False)
+                num_warps=4 if block_m <= 64 else 8, num_stages=2,
+                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True)
 
 
 #: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
@@ -347,7 +345,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    cfg = kernel_config(group, d, meta.max_query_len)
+    cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split)
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])

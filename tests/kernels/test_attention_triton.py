@@ -118,12 +118,18 @@ def test_split_choice_is_host_only_and_sane():
     assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132) == 64
     assert choose_num_splits(2, 8192, num_kv_heads=8, num_sms=132) == 16    # 512-token splits fill it
     assert choose_num_splits(128, 32768, num_kv_heads=8, num_sms=132) == 1
-    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132) == 3    # 256 programs: 2 uneven waves
-    assert choose_num_splits(8, 32768, num_kv_heads=8, num_sms=132) == 9
+    # Decode: at most 4 programs per SM (3 splits = 768 programs ran 35% slower on an H200).
+    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132) == 2
+    assert choose_num_splits(8, 32768, num_kv_heads=8, num_sms=132) == 8
+    # Multi-token queries (verify): at least 8 programs per SM.
+    assert choose_num_splits(128, 8192, num_kv_heads=8, num_sms=132, max_query_len=16) == 2
+    assert choose_num_splits(32, 32768, num_kv_heads=8, num_sms=132, max_query_len=16) == 5
+    assert choose_num_splits(8, 32768, num_kv_heads=8, num_sms=132, max_query_len=16) == 17
     # The policy's knobs (what the GPU sweep varies).
     pol = SplitPolicy(min_tokens=1024, fine_min_tokens=256, waves=2.0, max_splits=16)
     assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 16
-    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 2
+    assert choose_num_splits(32, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 1
+    assert choose_num_splits(16, 8192, num_kv_heads=8, num_sms=132, policy=pol) == 2
     assert choose_num_splits(1, 100, num_kv_heads=8, num_sms=132) == 1
     with pytest.raises(ValueError):
         SplitPolicy(align=48)
