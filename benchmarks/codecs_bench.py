@@ -2,6 +2,8 @@
 
     python benchmarks/codecs_bench.py --device cuda --out /tmp/out.md   # H200, ~2 min
     python benchmarks/codecs_bench.py --device cpu --out /tmp/codecs_cpu.md          # smoke + CPU
+    python benchmarks/codecs_bench.py --device cuda --nvfp4-sweep     # every kernel knob, ~2 min
+    TRITON_INTERPRET=1 python benchmarks/codecs_bench.py --device cpu --nvfp4-sweep --tiny  # smoke
 
 GPU part: ~1 GiB of bf16 pages shaped like Qwen3-8B's target group (36 layers, 8 KV heads,
 head_dim 128, page 16). Every NVFP4 kernel config of a small sweep is timed with CUDA events
@@ -24,6 +26,7 @@ import os
 import platform
 
 import torch
+import triton
 
 from kvstrata.codecs import CompressionReport, compression_report, synthetic_kv
 from kvstrata.kernels.nvfp4 import (nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
@@ -129,6 +132,76 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
     return lines
 
 
+def _sweep_grids(cuda: bool) -> tuple[list[dict], list[dict]]:
+    """Encode / decode knob combinations of ``--nvfp4-sweep`` (the first of each: the defaults)."""
+    if not cuda:  # interpreter smoke test: a few small tiles
+        return ([{}, dict(block_r=16, num_warps=2, asm=False)],
+                [{}, dict(block_r=16, num_warps=1, words_per_thread=1),
+                 dict(block_r=8, num_warps=1, words_per_thread=2, flat=True)])
+    enc = [{}] + [dict(block_r=br, num_warps=nw, asm=asm) for asm in (True, False)
+                  for br, nw in ((None, 8), (None, 4), (None, 16), (32, 4), (64, 4), (32, 8))]
+    dec = [{}] + [dict(block_r=br, num_warps=nw, words_per_thread=wpt, flat=flat)
+                  for flat in (False, True) for wpt in (1, 2, 4)
+                  for br, nw in ((8, 2), (16, 2), (32, 4), (64, 4), (32, 8))]
+    return enc, dec
+
+
+def nvfp4_sweep(device: torch.device, target_bytes: int, repeat: int) -> list[str]:
+    """Every encode / decode knob combination on the same pages in one run; each variant's output
+    must equal the default's bit for bit (the default is checked against the reference)."""
+    cuda = device.type == "cuda"
+    L, H, P, D = (36, 8, 16, 128) if cuda else (2, 2, 16, 64)
+    page_bytes = L * 2 * H * P * D * 2
+    n = max(2, target_bytes // page_bytes)
+    gen = torch.Generator(device=device).manual_seed(0)
+    pages = torch.randn(n, L, 2, H, P, D, device=device, generator=gen).to(torch.bfloat16)
+    raw = n * page_bytes
+    moved = raw + n * nvfp4_layout(2 * L, H * P, D)[3]  # bytes read + written once
+    dst = torch.empty_like(pages)
+    copy_ms = median_ms(lambda: dst.copy_(pages), device, repeat)
+    ceiling = 2 * raw / copy_ms / 1e6
+    enc_grid, dec_grid = _sweep_grids(cuda)
+    payload, ok = nvfp4_encode(pages)
+    k = min(n, 4)
+    ref, _ = nvfp4_encode_ref(pages[:k].cpu())
+    out_ref = nvfp4_decode(payload, torch.empty_like(pages))
+    o_cpu = nvfp4_decode_ref(ref, torch.empty_like(pages[:k].cpu()))
+    default_exact = (torch.equal(payload[:k].cpu(), ref)
+                     and torch.equal(out_ref[:k].cpu().view(torch.int16), o_cpu.view(torch.int16)))
+    rows = []
+    out = torch.empty_like(pages)
+    for op, grid in (("encode", enc_grid), ("decode", dec_grid)):
+        for kw in grid:
+            label = ", ".join(f"{a}={b}" for a, b in kw.items()) or "default"
+            try:
+                if op == "encode":
+                    fn = lambda: nvfp4_encode(pages, **kw)  # noqa: E731
+                    got, got_ok = fn()
+                    same = torch.equal(got, payload) and torch.equal(got_ok, ok)
+                else:
+                    fn = lambda: nvfp4_decode(payload, out, **kw)  # noqa: E731
+                    same = torch.equal(fn().view(torch.int16), out_ref.view(torch.int16))
+                ms = median_ms(fn, device, repeat)
+            except Exception as e:  # a variant that fails is reported, the sweep goes on
+                rows.append((op, float("inf"), f"| {op} | {label} | failed: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0][:100]} | | | |"))
+                continue
+            gbps = moved / ms / 1e6
+            rows.append((op, ms, f"| {op} | {label} | {ms:.3f} | {gbps:.0f} | "
+                         f"{100 * gbps / ceiling:.1f}% | {'yes' if same else 'NO'} |"))
+    rows.sort(key=lambda t: (t[0], t[1]))
+    dev_name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "CPU"
+    return ["### NVFP4 kernel sweep", "",
+            f"{dev_name}; triton {triton.__version__}; {n} bf16 pages [{L}, 2, {H}, {P}, {D}] = "
+            f"{raw / GIB:.3f} GiB; median of {repeat} runs; GB/s = bytes read + written once; "
+            f"copy ceiling {ceiling:.0f} GB/s (same run). Default encode/decode vs the torch "
+            f"reference on CPU copies of {k} pages: "
+            f"{'bit-exact' if default_exact else 'DIFFER'}. same = output equals the default's "
+            f"bit for bit.", "",
+            "| op | knobs | ms | GB/s | % of copy | same |", "|---|---|---|---|---|---|",
+            *[r for _, _, r in rows]]
+
+
 def lossless_section(mib: int, repeat: int) -> list[str]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -162,14 +235,21 @@ def main() -> None:
     ap.add_argument("--cpu-mib", type=int, default=32, help="lossless data size per set")
     ap.add_argument("--skip-lossless", action="store_true")
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--nvfp4-sweep", action="store_true",
+                    help="only time every NVFP4 encode/decode knob combination (GPU: ~2 min)")
+    ap.add_argument("--tiny", action="store_true", help="smallest data (a smoke test)")
     args = ap.parse_args()
     device = torch.device(args.device)
     # CPU: a smoke test; the Triton interpreter takes seconds per page, so keep it to a few
-    target = (int(args.gib * GIB) if device.type == "cuda" else
-              (4 << 14 if os.environ.get("TRITON_INTERPRET") == "1" else 1 << 20))
+    target = (int(args.gib * GIB) if device.type == "cuda" and not args.tiny else
+              (4 << 14 if os.environ.get("TRITON_INTERPRET") == "1" or args.tiny else 1 << 20))
     repeat = args.repeat if device.type == "cuda" else min(args.repeat, 5)
-    lines = ["## Codecs", ""] + nvfp4_section(device, target, repeat) + [""]
-    if not args.skip_lossless:
+    if args.nvfp4_sweep:
+        lines = nvfp4_sweep(device, 1 if device.type == "cpu" else target,
+                            min(repeat, 20 if device.type == "cuda" else 2))
+    else:
+        lines = ["## Codecs", ""] + nvfp4_section(device, target, repeat) + [""]
+    if not args.skip_lossless and not args.nvfp4_sweep:
         lines += lossless_section(args.cpu_mib, 5) + [""]
     text = "\n".join(lines)
     print(text)

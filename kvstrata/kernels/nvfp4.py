@@ -14,36 +14,53 @@ offset     size (bytes)          content
 =========  ====================  =================================================================
 
 A value decodes as ``e2m1 * e4m3 * g`` computed in fp32 (``e2m1 * e4m3`` is exact, so there is a
-single rounding) and is then rounded to the output dtype. Encoding: block scale
-``e4m3 = RN_e4m3(min(blockmax / (6 g), 448))``, step ``d = RN(e4m3 * g)``, element
-``RNE_e2m1(|x| * RN(1 / d))`` saturating at 6 (the element is scaled by the reciprocal step, as
-NVFP4 quantizers do: one multiply per element instead of a divide); a zero step encodes its block
-as zeros. Every rounding above is an fp32 IEEE round-to-nearest-even.
+single rounding) and is then rounded to the output dtype. Encoding, with ``gi = RN(1 / g)`` and
+``k = RN(gi * RN(1/6))`` per slab: block scale ``e4m3 = RN_e4m3(min(RN(blockmax * k), 448))``,
+reciprocal step ``rcp = RN(RN(1 / e4m3) * gi)`` (``RN(1 / e4m3)`` from a 128-entry table, see
+:func:`rcp_table`), element ``RNE_e2m1(|x| * rcp)`` of the exact product (it is not rounded to
+fp32 first: one rounding, onto the E2M1 grid), saturating at 6; a zero scale encodes its block as
+zeros. NVFP4 quantizers scale by reciprocals in the same way (multiplies instead of divides per
+block and element). Every other rounding is an fp32 IEEE round-to-nearest-even.
+(Before the instruction-count work of issue 3 the scale was ``RN(blockmax / RN(6 g))`` and the
+element ``RNE_e2m1(RN(|x| * RN(1 / RN(e4m3 * g))))``; codes differ from those in rare ties.)
 
 Bit-exactness between the kernels and the reference (and between GPU and interpreter) rests on:
-every float operation is one IEEE-rounded multiply, add or ``div_rn`` divide whose operands make
-an FMA contraction harmless (products by powers of two are exact); E4M3 rounding is integer
-arithmetic; bf16 inputs are widened by hand. The reference divides tensor by tensor, never by a
+every float operation is one IEEE-rounded multiply, add, explicit ``fma`` or ``div_rn`` divide
+whose operands make an FMA contraction harmless (products by powers of two are exact); the
+reference computes ``|x| * rcp`` in float64, where the product of two 24-bit significands is
+exact, and the kernels round it with FMAs (below); E4M3 rounding is integer arithmetic (or the
+sm_89+ ``cvt.rn.satfinite.e4m3x2.f32``, also nearest-even); bf16 inputs are widened by hand. The
+reference divides tensor by tensor, never by a
 Python scalar: on CUDA, torch turns ``t / scalar`` into ``t * (1 / scalar)``, which is not the
 correctly rounded quotient (that made the reference differ between CPU and GPU). Triton runs with
 flush-to-zero on GPUs, so no subnormal may matter: a slab with ``g < 2**-115`` is stored as zeros
-(amax below ~1.1e-31), which makes every nonzero ``d >= 2**-124`` and ``1/d <= 2**124``; an
-fp32-subnormal ``|x|`` then has ``|x| / d < 0.25`` and encodes as 0 whether or not it is flushed,
-and every decoded magnitude is 0 or at least ``2**-125`` (normal). Slabs with NaN, Inf or
-``amax >= 2**127`` (whose decode could overflow fp32) are flagged as not encodable.
+(amax below ~1.1e-31), which makes every nonzero ``rcp <= 2**124``; an fp32-subnormal ``|x|``
+then has ``|x| * rcp < 0.25`` and encodes as 0 whether or not it is flushed, and every decoded
+magnitude is 0 or at least ``2**-125`` (normal). Slabs with NaN, Inf or ``amax >= 2**127`` (whose
+decode could overflow fp32) are flagged as not encodable.
 
 Kernels (GPU path). Encode: one program per slab (page, layer, K/V); when the slab fits
 (``rows * head_dim <= ONE_PASS_ELEMS``) it is loaded once into registers, its amax reduced and
 then quantized from registers, so HBM sees each input byte once. Each thread owns whole 16-element
-blocks (two 8-element halves), so block maxima, scales and nibble packing need no shuffles; the
-E2M1 code is ``min(RN(2y + C), RN(y + 2 + C), RN(y/2 + 4 + C)) - C`` with ``C = 1.5 * 2**23``
-(FMA-pipe work instead of seven compares; saturation and the sign are applied to the packed
-word), and the 16 nibbles of a block leave as one 8-byte store. Decode: a program per ``block_r``
-rows of a slab; each thread turns one 32-bit word of codes into one 16-byte store (bf16), so
-neighbouring threads fill whole sectors.
+blocks, held as 16 separate tensors, so block maxima, scales and nibble packing need no shuffles
+and every step is a short fixed instruction sequence per element: bf16 block maxima are packed
+16-bit integer maxima of the raw words (``|bf16|`` orders as its bits); the E2M1 code is
+``min(RN(2y + C), RN(y + 2 + C), RN(y/2 + 4 + C)) - C`` with ``C = 1.5 * 2**23``, each line one
+FMA on ``|x|`` (three FMAs and two mins per element instead of seven compares); the biased codes
+are summed into nibbles with shift-adds, saturated on the packed word, and the signs come from
+byte permutes (``prmt``) of the raw words; the 16 nibbles of a block leave as one 8-byte store.
+``asm`` selects the inline PTX (``prmt``, ``max.u16x2``, the E4M3 conversion); the interpreter
+runs pure-Triton twins with the same results. Decode: a program per ``block_r`` rows of a slab
+(or, ``flat``, per ``block_r * D / 8`` consecutive code words); each thread turns
+``words_per_thread`` neighbouring 32-bit words of codes (one load) into 16-byte stores (bf16).
+``benchmarks/nvfp4_sass.py`` reports the SASS of every variant (instructions per element,
+registers, load / store widths) without a GPU.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -165,16 +182,15 @@ def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, 
     amax = a.reshape(m, s, -1).amax(dim=2) if a.numel() else a.new_zeros(m, s)
     g = amax / torch.full_like(amax, GLOBAL_DIV)  # tensor / tensor: IEEE division on CUDA too
     g = torch.where(g >= MIN_GLOBAL_SCALE, g, 0.0)
-    denom = g * E2M1_MAX
+    gi = torch.where(g > 0, torch.ones_like(g) / torch.where(g > 0, g, 1.0), 0.0)
+    k = gi * (torch.ones_like(g) / torch.full_like(g, E2M1_MAX))  # RN(gi * RN(1/6))
     bmax = a.reshape(m, s, r, d // 16, 16).amax(dim=4)
-    pos = (denom > 0)[..., None, None]
-    bs = torch.where(pos, torch.clamp(bmax / torch.where(pos, denom[..., None, None], 1.0),
-                                      max=E4M3_MAX), 0.0)
-    bs = torch.nan_to_num(bs, nan=0.0)  # only reachable for pages flagged not ok
+    bs = bmax * k[..., None, None]
+    bs = torch.where(torch.isnan(bs), 0.0, torch.clamp(bs, max=E4M3_MAX))  # NaN: pages not ok
     bq, bcode = e4m3_round(bs)
-    dq = bq * g[..., None, None]
-    rcp = torch.where(dq > 0, torch.ones_like(dq) / torch.where(dq > 0, dq, 1.0), 0.0)
-    y = a.reshape(m, s, r, d // 16, 16) * rcp[..., None]
+    rcp = rcp_table().to(bq.device)[bcode] * gi[..., None, None]
+    # |x| * rcp exactly (24 x 24 significand bits fit a double), rounded once, onto the grid
+    y = a.reshape(m, s, r, d // 16, 16).double() * rcp[..., None].double()
     c = e2m1_code(y)
     neg = (x.reshape(c.shape) < 0) & (c != 0)
     c = (c | (neg.to(torch.int32) << 3)).reshape(m, s, r, d // 2, 2)
@@ -216,26 +232,152 @@ def nvfp4_decode_ref(payload: torch.Tensor, out: torch.Tensor,
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (GPU path; the tests also run them through the interpreter)
 # ---------------------------------------------------------------------------------------------
-# Tiles are [rows, blocks, 8]: the two 8-element halves of each 16-element block are loaded as
-# separate tensors of the same layout, so one thread holds a whole block (16-byte loads of bf16).
+# The encoder handles [rows, blocks] tiles; a thread owns whole 16-element blocks, and the 16
+# elements of a block are 16 separate [rows, blocks] tensors (split out of two or four 16-byte
+# loads), so each step below is a fixed, short instruction sequence per element with no shuffles.
+# ASM (constexpr) selects PTX for byte permutes (prmt) and E4M3 conversions (sm_89+); the
+# interpreter cannot run inline asm and takes the pure-Triton twin of each, which gives the same
+# bits (the GPU test checks the asm path against the reference).
 
-_MAGIC = 12582912.0  # 1.5 * 2**23: x + _MAGIC rounds x to an integer (RNE); bits 0x4B400000
+#: Input kinds of the encoder (pages are read through an int32 view in every case).
+_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
 
 @triton.jit
-def _load_half(slab, off, mask, IS_BF16: tl.constexpr):
-    """8 consecutive elements per [row, block] at element offsets ``off`` [R, B, 1] (+ 0..7).
-
-    bf16 pages arrive through an int32 view (``slab`` counts int32s): each word holds elements
-    2i (low half) and 2i + 1, widened with one shift or one mask instead of extend + shift."""
-    if IS_BF16:
-        w = tl.load(slab + off // 2 + tl.arange(0, 4)[None, None, :], mask=mask, other=0)
-        even = (w << 16).to(tl.float32, bitcast=True)
-        odd = (w & -0x10000).to(tl.float32, bitcast=True)
-        return tl.reshape(tl.join(even, odd), (off.shape[0], off.shape[1], 8))
+def _prmt(a, b, SEL: tl.constexpr, ASM: tl.constexpr):
+    """PTX ``prmt.b32 d, a, b, SEL`` (default mode) on int32 tensors: byte k of d is byte
+    ``SEL[4k:4k+3] & 7`` of ``b:a``, or that byte's bit 7 replicated when ``SEL[4k+3]`` is set."""
+    if ASM:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r",
+                                         [a, b, tl.full(a.shape, SEL, tl.int32)],
+                                         dtype=tl.int32, is_pure=True, pack=1)
     else:
-        return tl.load(slab + off + tl.arange(0, 8)[None, None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+        r = tl.zeros_like(a)
+        for k in tl.static_range(4):
+            if (SEL >> (4 * k)) & 4:
+                src = b
+            else:
+                src = a
+            byte = (src >> (8 * ((SEL >> (4 * k)) & 3))) & 0xFF
+            if (SEL >> (4 * k)) & 8:
+                byte = (byte >> 7) * 0xFF
+            r = r | (byte << (8 * k))
+        return r
+
+
+@triton.jit
+def _umax16x2(a, b, ASM: tl.constexpr):
+    """PTX ``max.u16x2`` (sm_90+): the larger unsigned 16-bit half of a and b, each half."""
+    if ASM:
+        return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return (tl.maximum(a & -0x10000, b & -0x10000) | tl.maximum(a & 0xFFFF, b & 0xFFFF))
+
+
+@triton.jit
+def _e4m3_code(v, ASM: tl.constexpr):
+    """E4M3 code (int32) of fp32 ``v`` in [0, 448], nearest with ties to even."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 c; cvt.rn.satfinite.e4m3x2.f32 c, $1, $1; cvt.u32.u8 $0, c; }",
+            "=r,f", [v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+        t = v * 512.0 + 12582912.0  # RNE(v * 2**9) below 2**-6; the product is exact
+        return tl.where(v < 0.015625, t.to(tl.int32, bitcast=True) - 0x4B400000,
+                        (normal >> 20) - 960)
+
+
+@triton.jit
+def _block_scale(bmax, k, gi, rtab_ptr, ASM: tl.constexpr):
+    """Per block: (E4M3 code, reciprocal step ``RN(RN(1 / e4m3) * gi)``, 0 for a zero scale);
+    ``k = RN(1 / RN(6 g))``, ``gi = RN(1 / g)``, ``rtab_ptr``: ``RN(1 / e4m3)`` by code."""
+    bs = bmax * k
+    bs = tl.where(bs == bs, tl.minimum(bs, 448.0), 0.0)  # NaN only in pages already flagged bad
+    bcode = _e4m3_code(bs, ASM)
+    return bcode, tl.load(rtab_ptr + bcode) * gi
+
+
+@triton.jit
+def _split4(t):
+    """[R, B, 4] -> four [R, B] tensors (the thread already holds all four)."""
+    a, b = tl.split(tl.reshape(t, (t.shape[0], t.shape[1], 2, 2)))
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _widen(w, ODD: tl.constexpr, KIND: tl.constexpr):
+    """Element 2i (ODD=0) or 2i+1 of an int32 word of two 16-bit floats, as fp32."""
+    if KIND == 1:  # bf16: the high half is already an fp32 with a zero low half
+        if ODD:
+            return (w & -0x10000).to(tl.float32, bitcast=True)
+        else:
+            return (w << 16).to(tl.float32, bitcast=True)
+    else:
+        if ODD:
+            h = w >> 16
+        else:
+            h = w
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _neg_nibbles(p0, p1, ASM: tl.constexpr):
+    """p0 / p1 hold the signs of elements 0..3 / 4..7 in bit 7 of bytes 0..3 -> bit 3 of nibble j
+    set when element j is negative (element 2i in byte i's low nibble)."""
+    ev = _prmt(p0, p1, 0xECA8, ASM)  # bytes 0x00 / 0xFF: elements 0, 2, 4, 6
+    od = _prmt(p0, p1, 0xFDB9, ASM)  # elements 1, 3, 5, 7
+    return (ev & 0x08080808) | (od & -0x7F7F7F80)
+
+
+@triton.jit
+def _load_words(p, mask, EVEN: tl.constexpr):
+    if EVEN:  # the tile lies inside the slab: no masks (and no zeroing of masked lanes)
+        return tl.load(p)
+    else:
+        return tl.load(p, mask=mask[:, :, None], other=0)
+
+
+@triton.jit
+def _load_half(slab, base, mask, H: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr,
+               EVEN: tl.constexpr):
+    """Elements 8H..8H+7 of the blocks at int32-word offsets ``base`` [R, B] as eight fp32
+    [R, B] tensors, their sign nibbles (see ``_neg_nibbles``) and their max |x| (for bf16 as
+    two 16-bit halves of bits; see ``_block_max``)."""
+    ar = tl.arange(0, 4)[None, None, :]
+    if KIND == 3:
+        p = slab + base[:, :, None] + 8 * H + ar
+        w0, w1, w2, w3 = _split4(_load_words(p, mask, EVEN))
+        w4, w5, w6, w7 = _split4(_load_words(p + 4, mask, EVEN))
+        a = _prmt(_prmt(w0, w1, 0x0073, ASM), _prmt(w2, w3, 0x7300, ASM), 0x7610, ASM)
+        b = _prmt(_prmt(w4, w5, 0x0073, ASM), _prmt(w6, w7, 0x7300, ASM), 0x7610, ASM)
+        return (w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True),
+                w2.to(tl.float32, bitcast=True), w3.to(tl.float32, bitcast=True),
+                w4.to(tl.float32, bitcast=True), w5.to(tl.float32, bitcast=True),
+                w6.to(tl.float32, bitcast=True), w7.to(tl.float32, bitcast=True),
+                _neg_nibbles(a, b, ASM),
+                _amax8(w0.to(tl.float32, bitcast=True), w1.to(tl.float32, bitcast=True),
+                       w2.to(tl.float32, bitcast=True), w3.to(tl.float32, bitcast=True),
+                       w4.to(tl.float32, bitcast=True), w5.to(tl.float32, bitcast=True),
+                       w6.to(tl.float32, bitcast=True), w7.to(tl.float32, bitcast=True)))
+    else:
+        w0, w1, w2, w3 = _split4(_load_words(slab + base[:, :, None] + 4 * H + ar, mask, EVEN))
+        # byte 1 / byte 3 of a word: the sign bytes of its elements 2i / 2i + 1
+        neg = _neg_nibbles(_prmt(w0, w1, 0x7531, ASM), _prmt(w2, w3, 0x7531, ASM), ASM)
+        x0, x1 = _widen(w0, 0, KIND), _widen(w0, 1, KIND)
+        x2, x3 = _widen(w1, 0, KIND), _widen(w1, 1, KIND)
+        x4, x5 = _widen(w2, 0, KIND), _widen(w2, 1, KIND)
+        x6, x7 = _widen(w3, 0, KIND), _widen(w3, 1, KIND)
+        if KIND == 1:  # |bf16| orders as its bits: a packed max of the words' halves
+            hm = _umax16x2(_umax16x2(w0 & 0x7FFF7FFF, w1 & 0x7FFF7FFF, ASM),
+                           _umax16x2(w2 & 0x7FFF7FFF, w3 & 0x7FFF7FFF, ASM), ASM)
+        else:
+            hm = _amax8(x0, x1, x2, x3, x4, x5, x6, x7)
+        return x0, x1, x2, x3, x4, x5, x6, x7, neg, hm
 
 
 @triton.jit
@@ -244,97 +386,103 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
+def _amax8(x0, x1, x2, x3, x4, x5, x6, x7):
+    a = _max_nan(_max_nan(tl.abs(x0), tl.abs(x1)), _max_nan(tl.abs(x2), tl.abs(x3)))
+    b = _max_nan(_max_nan(tl.abs(x4), tl.abs(x5)), _max_nan(tl.abs(x6), tl.abs(x7)))
+    return _max_nan(a, b)
 
 
 @triton.jit
-def _block_max(x_lo, x_hi):
-    """[R, B, 8] x2 -> [R, B] max |x| of each 16-element block (NaN propagates)."""
-    return tl.reduce(_max_nan(tl.abs(x_lo), tl.abs(x_hi)), 2, _max_nan)
+def _block_max(hm_a, hm_b, KIND: tl.constexpr, ASM: tl.constexpr):
+    """Max |x| of a block (NaN propagates) from the maxima of its two halves."""
+    if KIND == 1:
+        m = _umax16x2(hm_a, hm_b, ASM)
+        return tl.maximum(m << 16, m & -0x10000).to(tl.float32, bitcast=True)
+    else:
+        return _max_nan(hm_a, hm_b)
 
 
 @triton.jit
-def _e4m3_round_tl(v):
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    t = v * 512.0
-    n = tl.floor(t)
-    f = t - n
-    half_n = n * 0.5
-    odd = half_n != tl.floor(half_n)
-    up = (f > 0.5) | ((f == 0.5) & odd)
-    sub = (n + up.to(tl.float32)) * (1.0 / 512.0)
-    q = tl.where(v < 0.015625, sub, normal)
-    code = tl.where(q < 0.015625, (q * 512.0).to(tl.int32),
-                    (q.to(tl.int32, bitcast=True) >> 20) - 960)
-    return q, code
+def _load_tile(slab, rr, bb, R, D: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr,
+               EVEN: tl.constexpr):
+    """Blocks ``bb`` of rows ``rr`` of a slab: both halves (see ``_load_half``) and block maxima."""
+    EPW: tl.constexpr = 1 if KIND == 3 else 2  # elements per int32 word
+    mask = (rr < R)[:, None] & (bb < D // 16)[None, :]
+    base = rr[:, None] * (D // EPW) + bb[None, :] * (16 // EPW)
+    a0, a1, a2, a3, a4, a5, a6, a7, na, ha = _load_half(slab, base, mask, 0, KIND, ASM, EVEN)
+    b0, b1, b2, b3, b4, b5, b6, b7, nb, hb = _load_half(slab, base, mask, 1, KIND, ASM, EVEN)
+    return (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+            _block_max(ha, hb, KIND, ASM))
 
 
 @triton.jit
-def _block_scales(bmax, g):
-    """Per block: (E4M3 code int32, reciprocal step RN(1 / RN(e4m3 * g)) or 0)."""
-    denom = g * 6.0
-    ok = denom > 0.0
-    bs = tl.where(ok, tl.minimum(tl.div_rn(bmax, tl.where(ok, denom, 1.0)), 448.0), 0.0)
-    bs = tl.where(bs == bs, bs, 0.0)  # NaN only in pages already flagged bad
-    bq, bcode = _e4m3_round_tl(bs)
-    dq = bq * g
-    pos = dq > 0.0
-    rcp = tl.where(pos, tl.div_rn(tl.zeros_like(dq) + 1.0, tl.where(pos, dq, 1.0)), 0.0)
-    return bcode, rcp
+def _code(x, r2, r1, rh):
+    """Bits of ``C + RNE_e2m1(|x| * rcp)`` (C = 1.5 * 2**23, code 0..9 before saturation).
+
+    min(2y, y + 2, y/2 + 4) maps the E2M1 grid {0,.5,1,1.5,2,3,4,6} onto 0..7; each line is
+    one FMA (the product |x| * rcp * 2**k is exact inside it) rounded to an integer by adding C,
+    and rounding commutes with min (it is monotonic; ties go to even codes)."""
+    a = tl.abs(x)
+    u = tl.minimum(tl.fma(a, r2, 12582912.0),
+                   tl.minimum(tl.fma(a, r1, 12582914.0), tl.fma(a, rh, 12582916.0)))
+    return u.to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def _e2m1_pack8(x, rcp):
-    """x [R, B, 8] fp32, rcp [R, B] -> [R, B] int32 holding the 8 nibbles (element j at 4j)."""
-    # v = 4y with y = RN(|x| * rcp): scaling rcp by 4 is exact. RNE onto the E2M1 grid: the grid
-    # {0,.5,1,1.5,2,3,4,6} maps to the codes 0..7 under min(2y, y + 2, y/2 + 4); each line is
-    # rounded once (+ 1.5 * 2**23 rounds to an integer), and rounding commutes with min because
-    # it is monotonic (ties go to even codes = even mantissas). No line adds v itself: the GPU
-    # fuses v * k + c into an FMA, harmless only because every v * k here is exact.
-    v = tl.abs(x) * (rcp * 4.0)[:, :, None]
-    u = tl.minimum(v * 0.5 + 12582912.0, tl.minimum(v * 0.25 + 12582914.0,
-                                                     v * 0.125 + 12582916.0))
-    j4 = 4 * tl.arange(0, 8)[None, None, :]
-    # code 0..8 in nibble j: sum of bits(u) << 4j minus the magic's bits summed the same way
-    # (arithmetic mod 2**32); nibbles cannot carry into each other
-    cw = tl.sum(u.to(tl.int32, bitcast=True) << j4, axis=2) - 0x3F400000
-    # saturate codes 8, 9 (y >= 7.5, only under an E4M3-subnormal step) to 7
-    sat = (cw >> 3) & 0x11111111
-    cw = (cw & ~(sat * 15)) | (sat * 7)
-    sw = tl.sum((x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) << (j4 + 3), axis=2)
-    nz = (cw + 0x77777777) & -0x77777778  # bit 3 of each nibble: code != 0 (0x88888888)
-    return cw | (sw & nz)  # the sign only on nonzero codes: zero is always 0x0
+def _pack8(x0, x1, x2, x3, x4, x5, x6, x7, neg, rcp):
+    """Eight elements -> int32 of eight nibbles (element j at bit 4j), sign bit 3 on nonzero."""
+    r2 = rcp * 2.0
+    rh = rcp * 0.5
+    # sum of C-biased codes << 4j minus the biases summed the same way (mod 2**32): nibbles
+    # cannot carry into each other
+    cw = (_code(x0, r2, rcp, rh) + (_code(x1, r2, rcp, rh) << 4)
+          + (_code(x2, r2, rcp, rh) << 8) + (_code(x3, r2, rcp, rh) << 12)
+          + (_code(x4, r2, rcp, rh) << 16) + (_code(x5, r2, rcp, rh) << 20)
+          + (_code(x6, r2, rcp, rh) << 24) + (_code(x7, r2, rcp, rh) << 28)) - 0x3F400000
+    # saturate codes 8, 9 (y >= 6.5, only under an E4M3-subnormal step) to 7
+    b3 = cw & -0x77777778  # 0x88888888
+    cw = (cw | (b3 - ((cw >> 3) & 0x11111111))) & ~b3
+    nz = cw + 0x77777777  # bit 3 of each nibble: code != 0
+    return cw | (neg & nz)  # the sign only on nonzero codes: zero is always 0x0
 
 
 @triton.jit
-def _encode_rows(x_lo, x_hi, g, out_ptr, outw_ptr, m, s, rr, bb, out_stride, out_stride_w,
-                 S: tl.constexpr, R, D: tl.constexpr, WORDS: tl.constexpr):
+def _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+                  bmax, k, gi, rtab_ptr, out_ptr, outw_ptr, m, s, rr, bb, out_stride,
+                  out_stride_w, S: tl.constexpr, R, D: tl.constexpr, WORDS: tl.constexpr,
+                  ASM: tl.constexpr, EVEN: tl.constexpr):
     NB: tl.constexpr = D // 16
-    bcode, rcp = _block_scales(_block_max(x_lo, x_hi), g)
-    w_lo = _e2m1_pack8(x_lo, rcp)
-    w_hi = _e2m1_pack8(x_hi, rcp)
-    smask = (rr < R)[:, None] & (bb < NB)[None, :]
+    bcode, rcp = _block_scale(bmax, k, gi, rtab_ptr, ASM)
+    w_lo = _pack8(a0, a1, a2, a3, a4, a5, a6, a7, na, rcp)
+    w_hi = _pack8(b0, b1, b2, b3, b4, b5, b6, b7, nb, rcp)
+    if EVEN:
+        smask = None
+    else:
+        smask = (rr < R)[:, None] & (bb < NB)[None, :]
     row = rr[:, None].to(tl.int64)
+    # one block per thread and store: saying so keeps the stores in the compute layout (a
+    # wider per-thread store would first move the values through shared memory)
+    blk = tl.max_contiguous(row * NB + bb[None, :], [1, 1])
     if WORDS:  # the block's 16 nibbles as one 8-byte word (payload rows are 8-byte aligned)
         w = (w_hi.to(tl.int64) << 32) | (w_lo.to(tl.int64) & 0xFFFFFFFF)
         wbase = outw_ptr + m * out_stride_w + S // 2 + s * R * (D // 16)
-        tl.store(wbase + row * NB + bb[None, :], w, mask=smask)
+        tl.store(wbase + blk, w, mask=smask)
     else:
-        cbase = out_ptr + m * out_stride + 4 * S + s * R * (D // 2) + row * (D // 2) + bb[None, :] * 8
-        for k in tl.static_range(4):
-            tl.store(cbase + k, ((w_lo >> (8 * k)) & 0xFF).to(tl.uint8), mask=smask)
-            tl.store(cbase + 4 + k, ((w_hi >> (8 * k)) & 0xFF).to(tl.uint8), mask=smask)
+        cbase = (out_ptr + m * out_stride + 4 * S + s * R * (D // 2) + row * (D // 2)
+                 + bb[None, :] * 8)
+        for j in tl.static_range(4):
+            tl.store(cbase + j, ((w_lo >> (8 * j)) & 0xFF).to(tl.uint8), mask=smask)
+            tl.store(cbase + 4 + j, ((w_hi >> (8 * j)) & 0xFF).to(tl.uint8), mask=smask)
     sbase = out_ptr + m * out_stride + 4 * S + S * R * (D // 2) + s * R * NB
-    tl.store(sbase + row * NB + bb[None, :], bcode.to(tl.uint8), mask=smask)
+    tl.store(sbase + blk, bcode.to(tl.uint8), mask=smask)
 
 
 @triton.jit
-def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, page_stride, out_stride,
-                         out_stride_w, S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NBP: tl.constexpr, ONE_PASS: tl.constexpr, HAS_IDS: tl.constexpr,
-                         IS_BF16: tl.constexpr, WORDS: tl.constexpr):
+def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
+                         out_stride, out_stride_w, S: tl.constexpr, R, D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
+                         HAS_IDS: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
+                         ASM: tl.constexpr, EVEN: tl.constexpr):
     # One program per slab; see the module doc for the layout and the one-pass scheme.
     pid = tl.program_id(0).to(tl.int64)
     m = pid // S
@@ -343,63 +491,63 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, page_stride
         page = tl.load(ids_ptr + m).to(tl.int64)
     else:
         page = m
-    # page_stride counts elements; for bf16 x_ptr is an int32 view (two elements per word)
-    if IS_BF16:
-        slab = x_ptr + (page * page_stride + s * R * D) // 2
-    else:
-        slab = x_ptr + page * page_stride + s * R * D
-    NB: tl.constexpr = D // 16
+    # x_ptr is an int32 view of the pages; page_stride counts elements
+    EPW: tl.constexpr = 1 if KIND == 3 else 2  # elements per int32 word
+    slab = x_ptr + (page * page_stride + s * R * D) // EPW
     rows = tl.arange(0, BLOCK_R)
     bb = tl.arange(0, NBP)
-    col = bb[None, :, None] * 16
-    bmask = (bb < NB)[None, :, None]
     if ONE_PASS:
-        mask = (rows < R)[:, None, None] & bmask
-        off = rows[:, None, None] * D + col
-        x_lo = _load_half(slab, off, mask, IS_BF16)
-        x_hi = _load_half(slab, off + 8, mask, IS_BF16)
-        amax = tl.reduce(tl.reduce(_block_max(x_lo, x_hi), 1, _max_nan), 0, _max_nan)
+        (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+         bmax) = _load_tile(slab, rows, bb, R, D, KIND, ASM, EVEN)
+        amax = tl.reduce(tl.reduce(bmax, 1, _max_nan), 0, _max_nan)
     else:
         acc = tl.zeros((BLOCK_R, NBP), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
-            rr = r0 + rows
-            mask = (rr < R)[:, None, None] & bmask
-            off = rr[:, None, None].to(tl.int64) * D + col
-            acc = _max_nan(acc, _block_max(_load_half(slab, off, mask, IS_BF16),
-                                           _load_half(slab, off + 8, mask, IS_BF16)))
+            t = _load_tile(slab, (r0 + rows).to(tl.int64), bb, R, D, KIND, ASM, EVEN)
+            acc = _max_nan(acc, t[18])
         amax = tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan)
     g = tl.div_rn(amax, 2688.0)
     g = tl.where(g >= 2.407412430484045e-35, g, 0.0)  # MIN_GLOBAL_SCALE = 2**-115; NaN -> 0
+    gi = tl.where(g > 0.0, tl.div_rn(1.0, tl.where(g > 0.0, g, 1.0)), 0.0)
+    k = gi * 0.1666666716337204  # RN(1/6): bmax * k ~ bmax / (6 g)
     bad = (amax != amax) | (amax >= 1.7014118346046923e38)
     tl.store(bad_ptr + m * S + s, bad.to(tl.int32))
     gbits = g.to(tl.int32, bitcast=True)
-    for k in tl.static_range(4):
-        tl.store(out_ptr + m * out_stride + s * 4 + k, ((gbits >> (8 * k)) & 0xFF).to(tl.uint8))
+    for j in tl.static_range(4):
+        tl.store(out_ptr + m * out_stride + s * 4 + j, ((gbits >> (8 * j)) & 0xFF).to(tl.uint8))
     if ONE_PASS:
-        _encode_rows(x_lo, x_hi, g, out_ptr, outw_ptr, m, s, rows, bb, out_stride, out_stride_w,
-                     S, R, D, WORDS)
+        _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+                      bmax, k, gi, rtab_ptr, out_ptr, outw_ptr, m, s, rows, bb, out_stride,
+                      out_stride_w, S, R, D, WORDS, ASM, EVEN)
     else:
         for r0 in range(0, R, BLOCK_R):
-            rr = r0 + rows
-            mask = (rr < R)[:, None, None] & bmask
-            off = rr[:, None, None].to(tl.int64) * D + col
-            _encode_rows(_load_half(slab, off, mask, IS_BF16),
-                         _load_half(slab, off + 8, mask, IS_BF16), g,
-                         out_ptr, outw_ptr, m, s, rr, bb, out_stride, out_stride_w, S, R, D, WORDS)
+            rr = (r0 + rows).to(tl.int64)
+            (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+             bmax) = _load_tile(slab, rr, bb, R, D, KIND, ASM, EVEN)
+            _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+                          bmax, k, gi, rtab_ptr, out_ptr, outw_ptr, m, s, rr, bb, out_stride,
+                          out_stride_w, S, R, D, WORDS, ASM, EVEN)
 
 
 @triton.jit
 def _e2m1_unpack8(w, bs, g):
-    """w [R, W] int32 of 8 nibbles, bs [R, W] E4M3 values, g -> [R, W, 8] fp32 values."""
-    j4 = 4 * tl.arange(0, 8)[None, None, :]
-    c = (w[:, :, None] >> j4) & 7
+    """w [A, B, C] int32 of 8 nibbles, bs [A, B, C] E4M3 values, g -> [A, B, C, 8] fp32."""
+    j4 = 4 * tl.arange(0, 8)[None, None, None, :]
+    c = (w[:, :, :, None] >> j4) & 7
     # c/2 for c < 2, else 2**(c//2 - 1) * (1 + (c & 1) / 2): bits (c + 252) << 22 give that for
     # c >= 2 and 0.5, 0.75 for c = 0, 1, which 2q - 1 maps to 0, 0.5 (and 2q - 1 >= q for q >= 1)
     q = (c * 4194304 + 0x3F000000).to(tl.float32, bitcast=True)
     q = tl.minimum(q, q * 2.0 - 1.0)
-    mag = (q * bs[:, :, None]) * g  # q * bs is exact: one rounding, as in the reference
-    sign = (w[:, :, None] << (28 - j4)) & -0x80000000
+    mag = (q * bs[:, :, :, None]) * g  # q * bs is exact: one rounding, as in the reference
+    sign = (w[:, :, :, None] << (28 - j4)) & -0x80000000
     return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value_tl(bcode):
+    e = bcode >> 3
+    return tl.where(e == 0, (bcode & 7).to(tl.float32) * (1.0 / 512.0),
+                    (((e + 120) << 23) | ((bcode & 7) << 20)).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -415,13 +563,14 @@ def _store_out(ptrs, v, mask, OUT_KIND: tl.constexpr):
 @triton.jit
 def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w, page_stride,
                          S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NWP: tl.constexpr, HAS_IDS: tl.constexpr, OUT_KIND: tl.constexpr,
-                         WORDS: tl.constexpr):
-    # grid (M * S, cdiv(R, BLOCK_R)): decode has no reduction, so row tiles are independent.
-    # A thread decodes one 32-bit word of codes (8 elements) into one 16-byte store (bf16), and
-    # neighbouring threads hold neighbouring words: every store instruction fills whole sectors.
+                         NWP: tl.constexpr, WPT: tl.constexpr, FLAT: tl.constexpr,
+                         HAS_IDS: tl.constexpr, OUT_KIND: tl.constexpr, WORDS: tl.constexpr):
+    # grid (M * S, tiles): decode has no reduction, so tiles are independent. The tile is
+    # [BLOCK_R, NWP / WPT, WPT] words of codes (8 elements each); a thread holds WPT neighbouring
+    # words (one 4 * WPT-byte load, WPT 16-byte stores for bf16). FLAT: the tile covers
+    # BLOCK_R * NWP consecutive words of the slab (no row padding); else BLOCK_R rows.
     pid = tl.program_id(0).to(tl.int64)
-    rblk = tl.program_id(1)
+    tile = tl.program_id(1)
     m = pid // S
     s = pid % S
     if HAS_IDS:
@@ -435,27 +584,37 @@ def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride
     g3 = tl.load(src + s * 4 + 3).to(tl.int32)
     g = (g0 | (g1 << 8) | (g2 << 16) | (g3 << 24)).to(tl.float32, bitcast=True)
 
-    NW: tl.constexpr = D // 8
-    rr = rblk * BLOCK_R + tl.arange(0, BLOCK_R)
-    ww = tl.arange(0, NWP)
-    wmask = (rr < R)[:, None] & (ww < NW)[None, :]
-    row = rr[:, None].to(tl.int64)
-    if WORDS:
-        wbase = inw_ptr + m * in_stride_w + S + s * R * (D // 8)
-        w = tl.load(wbase + row * NW + ww[None, :], mask=wmask, other=0)
+    NW: tl.constexpr = D // 8  # words per row (even: D is a multiple of 16)
+    G: tl.constexpr = NWP // WPT
+    r3 = tl.arange(0, BLOCK_R)[:, None, None]
+    g3d = tl.arange(0, G)[None, :, None]
+    if FLAT:
+        widx = tile * (BLOCK_R * NWP) + (r3 * NWP + g3d * WPT + tl.arange(0, WPT)[None, None, :])
+        wmask = widx < R * NW
     else:
-        cbase = src + 4 * S + s * R * (D // 2) + row * (D // 2) + ww[None, :] * 4
-        w = tl.zeros((BLOCK_R, NWP), dtype=tl.int32)
+        ww = g3d * WPT + tl.arange(0, WPT)[None, None, :]
+        rr = tile * BLOCK_R + r3
+        widx = rr * NW + ww
+        wmask = (rr < R) & (ww < NW)
+    if WORDS:
+        wbase = inw_ptr + m * in_stride_w + S + s * R * NW
+        w = tl.load(wbase + widx, mask=wmask, other=0)
+    else:
+        cbase = src + 4 * S + s * R * (D // 2) + widx * 4
+        w = tl.zeros(widx.shape, dtype=tl.int32)
         for k in tl.static_range(4):
             w |= tl.load(cbase + k, mask=wmask, other=0).to(tl.int32) << (8 * k)
     sbase = src + 4 * S + S * R * (D // 2) + s * R * (D // 16)
-    bcode = tl.load(sbase + row * (D // 16) + ww[None, :] // 2, mask=wmask, other=0).to(tl.int32)
-    e = bcode >> 3
-    bs = tl.where(e == 0, (bcode & 7).to(tl.float32) * (1.0 / 512.0),
-                  (((e + 120) << 23) | ((bcode & 7) << 20)).to(tl.float32, bitcast=True))
-    dst = (out_ptr + page * page_stride + s * R * D + row[:, :, None] * D
-           + ww[None, :, None] * 8 + tl.arange(0, 8)[None, None, :])
-    _store_out(dst, _e2m1_unpack8(w, bs, g), wmask[:, :, None], OUT_KIND)
+    if WPT == 1:
+        bs = _e4m3_value_tl(tl.load(sbase + widx // 2, mask=wmask, other=0).to(tl.int32))
+    else:  # a word pair shares its block's scale: load each scale byte once, then duplicate
+        widx2, _ = tl.split(tl.reshape(widx, (BLOCK_R, G, WPT // 2, 2)))
+        wmask2, _ = tl.split(tl.reshape(wmask, (BLOCK_R, G, WPT // 2, 2)))
+        bs2 = _e4m3_value_tl(tl.load(sbase + widx2 // 2, mask=wmask2, other=0).to(tl.int32))
+        bs = tl.reshape(tl.join(bs2, bs2), (BLOCK_R, G, WPT))
+    dst = (out_ptr + page * page_stride + s * R * D + widx[:, :, :, None] * 8
+           + tl.arange(0, 8)[None, None, None, :])
+    _store_out(dst, _e2m1_unpack8(w, bs, g), wmask[:, :, :, None], OUT_KIND)
 
 
 def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -483,9 +642,56 @@ def _check_rows(t: torch.Tensor, m: int, total: int, device: torch.device, what:
                          f"{t.stride()}")
 
 
+_RCP_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def rcp_table() -> torch.Tensor:
+    """fp32 ``RN(1 / e4m3)`` for every E4M3 code 0..127 (0 for code 0; 127 is NaN, unused)."""
+    q = e4m3_value(torch.arange(128, dtype=torch.int32))
+    return torch.where(q > 0, torch.ones_like(q) / torch.where(q > 0, q, 1.0), 0.0)
+
+
+def _rcp_table(device: torch.device) -> torch.Tensor:
+    if device not in _RCP_TABLES:
+        _RCP_TABLES[device] = rcp_table().to(device)
+    return _RCP_TABLES[device]
+
+
+@functools.lru_cache(maxsize=None)
+def _asm_ok(device: torch.device) -> bool:
+    """Inline PTX (prmt, e4m3 conversions: sm_89+) can run: a CUDA device, not the interpreter."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | None, *,
+                   has_ids: bool, words: bool, asm: bool) -> dict:
+    """The encode kernel's constexprs (also used by ``benchmarks/nvfp4_sass.py``)."""
+    nbp = triton.next_power_of_2(d // 16)
+    full = triton.next_power_of_2(r)
+    if block_r is None:
+        block_r = max(1, min(full, ONE_PASS_ELEMS // (16 * nbp)))
+    one_pass = block_r >= r
+    br = full if one_pass else block_r
+    return dict(S=s, D=d, BLOCK_R=br, NBP=nbp, ONE_PASS=one_pass, HAS_IDS=has_ids,
+                KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16)
+
+
+def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, flat: bool, *,
+                   has_ids: bool, out_kind: int, words: bool) -> tuple[dict, int]:
+    """The decode kernel's constexprs and its number of tiles per slab."""
+    nwp = triton.next_power_of_2(d // 8)
+    wpt = min(triton.next_power_of_2(max(1, words_per_thread)), nwp)
+    tiles = triton.cdiv(r * (d // 8), block_r * nwp) if flat else triton.cdiv(r, block_r)
+    return dict(S=s, D=d, BLOCK_R=block_r, NWP=nwp, WPT=wpt, FLAT=flat, HAS_IDS=has_ids,
+                OUT_KIND=out_kind, WORDS=words), tiles
+
+
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
-                 num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 8, asm: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
@@ -494,8 +700,10 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     slab in registers when it has at most ``ONE_PASS_ELEMS`` elements, else tiles of that size.
     A ``block_r`` >= the slab's rows also means one pass. out: optional ``[M, nbytes]`` uint8
     on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
-    laid out like host slots). Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on
-    ``pages.device``; nothing here waits for the device (``ok`` is a device tensor).
+    laid out like host slots). asm: use inline PTX (byte permutes, hardware E4M3 conversion);
+    ``None`` = when the device allows it (CUDA sm_89+, not the interpreter); the bytes are the
+    same either way. Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
+    nothing here waits for the device (``ok`` is a device tensor).
     """
     s, r, d, m = _check_pages(pages, page_ids)
     total = nvfp4_layout(s, r, d)[3]
@@ -505,30 +713,30 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         _check_rows(out, m, total, pages.device, "out")
     bad = torch.zeros(m, s, dtype=torch.int32, device=pages.device)
     if m and r:
-        nbp = triton.next_power_of_2(d // 16)
-        full = triton.next_power_of_2(r)
-        if block_r is None:
-            block_r = max(1, min(full, ONE_PASS_ELEMS // (16 * nbp)))
-        one_pass = block_r >= r
         words = _words(out, 8)
+        cfg = _encode_config(pages.dtype, s, r, d, block_r, has_ids=page_ids is not None,
+                             words=words is not None,
+                             asm=_asm_ok(pages.device) if asm is None else asm)
         _nvfp4_encode_kernel[(m * s,)](
-            pages.view(torch.int32) if pages.dtype == torch.bfloat16 else pages,
-            _ids(page_ids, pages), out, out if words is None else words, bad, pages.stride(0),
-            out.stride(0), out.stride(0) // 8, S=s, R=r, D=d, BLOCK_R=full if one_pass else block_r, NBP=nbp,
-            ONE_PASS=one_pass, HAS_IDS=page_ids is not None,
-            IS_BF16=pages.dtype == torch.bfloat16, WORDS=words is not None, num_warps=num_warps)
+            pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
+            bad, _rcp_table(pages.device), pages.stride(0), out.stride(0), out.stride(0) // 8,
+            R=r, num_warps=num_warps, **cfg)
     return out, bad.amax(dim=1) == 0 if m else torch.ones(0, dtype=torch.bool,
                                                            device=pages.device)
 
 
 def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None,
-                 *, block_r: int = 8, num_warps: int = 2) -> torch.Tensor:
+                 *, block_r: int = 16, num_warps: int = 2, words_per_thread: int = 4,
+                 flat: bool = False) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
     payload: ``[M, nbytes]`` uint8 on ``out.device``; its rows may be strided (e.g. columns of
     a staging buffer). out: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]``
     bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). block_r: rows per program, a power of
-    two. Returns ``out``.
+    two. words_per_thread: 32-bit words of codes (8 elements each) per thread, a power of two
+    (one load of 4x that many bytes; capped at the row's words). flat: a program takes
+    ``block_r`` rows' worth of consecutive words of a slab instead of whole rows (no padding
+    when ``head_dim / 8`` is not a power of two). Returns ``out``.
     """
     s, r, d, m = _check_pages(out, page_ids)
     _check_payload(payload, m, nvfp4_layout(s, r, d)[3])
@@ -541,10 +749,11 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
         bf16 = out.dtype == torch.bfloat16
         # the interpreter's fp32 -> bf16 cast truncates, so CPU rounds by hand (same result)
         kind = 1 if bf16 and out.device.type == "cpu" else 0
-        _nvfp4_decode_kernel[(m * s, triton.cdiv(r, block_r))](
+        cfg, tiles = _decode_config(s, r, d, block_r, words_per_thread, flat,
+                                    has_ids=page_ids is not None, out_kind=kind,
+                                    words=words is not None)
+        _nvfp4_decode_kernel[(m * s, tiles)](
             payload, payload if words is None else words, _ids(page_ids, out),
             out.view(torch.int16) if kind == 1 else out, payload.stride(0),
-            payload.stride(0) // 4, out.stride(0), S=s, R=r, D=d, BLOCK_R=block_r,
-            NWP=triton.next_power_of_2(d // 8), HAS_IDS=page_ids is not None, OUT_KIND=kind,
-            WORDS=words is not None, num_warps=num_warps)
+            payload.stride(0) // 4, out.stride(0), R=r, num_warps=num_warps, **cfg)
     return out

@@ -90,6 +90,28 @@ def test_aligned_payload_rows_use_word_io(dtype, block_r):
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
 
 
+@pytest.mark.parametrize("wpt,flat", [(1, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("head_dim", [48, 64])  # 6 words per row (padded tile), 8 (dense)
+def test_decode_variants_match_reference(wpt, flat, head_dim):
+    # words_per_thread / flat tiles (the GPU sweep's knobs) give the reference's values; 2 x 3
+    # rows is not a multiple of the tile; head_dim 48 gives unaligned payload rows (byte I/O)
+    x = _special_pages(torch.bfloat16, "wide", shape=(2, 2, 2, 2, 3, head_dim), seed=5)
+    a, _ = nvfp4_encode_ref(x)
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    nvfp4_decode_ref(a, o1)
+    nvfp4_decode(a, o2, block_r=4, num_warps=1, words_per_thread=wpt, flat=flat)
+    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+
+
+def test_encode_tiles_and_asm_switch():
+    # the pure-Triton twin of the inline-asm path (asm=False) is what the interpreter runs; a
+    # tile that divides the slab evenly drops the masks (EVEN): both must give the same bytes
+    x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=9)
+    a, _ = nvfp4_encode_ref(x)
+    for block_r in (None, 4, 8):
+        assert torch.equal(nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False)[0], a)
+
+
 @pytest.mark.parametrize("pad", [0, 8, 5])  # 8: word I/O on strided rows; 5: byte I/O
 def test_strided_payload_rows_staging_layout(pad):
     # Encode straight into columns of a staging buffer laid out like host slots, and decode from
@@ -136,10 +158,12 @@ def test_cuda_triton_matches_cpu_reference(dtype, kind):
         o_ref = nvfp4_decode_ref(ref, torch.empty_like(x))
         xc = x.cuda()
         for block_r in (None, 4):
-            got, fg = nvfp4_encode(xc, block_r=block_r)
-            assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
-        for block_r in (8, 32):
-            o = nvfp4_decode(ref.cuda(), torch.empty_like(xc), block_r=block_r)
+            for asm in (None, False):  # None: inline PTX where the GPU has it (sm_89+)
+                got, fg = nvfp4_encode(xc, block_r=block_r, asm=asm)
+                assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
+        for block_r, wpt, flat in ((8, 1, False), (32, 4, False), (16, 2, True), (64, 4, True)):
+            o = nvfp4_decode(ref.cuda(), torch.empty_like(xc), block_r=block_r,
+                             words_per_thread=wpt, flat=flat)
             assert torch.equal(o.cpu().view(torch.uint8), o_ref.view(torch.uint8))
         ids = torch.tensor([1, 0], device="cuda")
         got, _ = nvfp4_encode(xc, ids)
