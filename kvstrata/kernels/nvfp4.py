@@ -690,7 +690,7 @@ def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, 
 
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
-                 num_warps: int = 8, asm: bool | None = None
+                 num_warps: int = 4, asm: bool | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
@@ -726,7 +726,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
 
 
 def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None,
-                 *, block_r: int = 16, num_warps: int = 2, words_per_thread: int = 4,
+                 *, block_r: int = 16, num_warps: int = 2, words_per_thread: int = 1,
                  flat: bool = False) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
