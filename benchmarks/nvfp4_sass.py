@@ -104,6 +104,7 @@ def analyse(sass: str, res: str, elems_per_program: int, threads: int) -> dict:
                 per_elem=(sum(loops) if loops else len(body)) / per_thread,
                 regs=int(regs.group(1)) if regs else -1,
                 local=int(local.group(1)) if local else -1, mem=dict(sorted(mem.items())),
+                bar=sum(1 for _, op, _ in body if op.startswith("BAR")),
                 hist=collections.Counter(op for _, op, _ in body))
 
 
@@ -125,6 +126,12 @@ def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
             label = f"encode block_r={block_r or 'slab'} warps={nw}" + (
                 "" if asm is None else f" asm={int(asm)}")
             out.append((label, cfg, nw, elems))
+    if has_asm and "persistent" in mod.nvfp4_encode.__kwdefaults__:  # grid-stride slab loop
+        for nw, st in ((4, 1), (4, 2), (8, 2)):
+            cfg = mod._encode_config(torch.bfloat16, S, R, D, None, has_ids=False, words=True,
+                                     asm=True, persistent=4, stages=st)
+            out.append((f"encode block_r=slab warps={nw} asm=1 persistent stages={st}", cfg, nw,
+                        R * D))
     return out
 
 
@@ -143,6 +150,14 @@ def decode_variants(mod) -> list[tuple[str, dict, int, int]]:
         label = f"decode block_r={br} warps={nw}" + (f" wpt={wpt} flat={int(flat)}"
                                                      if has_wpt else "")
         out.append((label, cfg, nw, br * D))
+    if hasattr(mod, "_decode_lanes_config"):  # lanes: a thread decodes the words it loaded
+        for br, nw, pers, st in ((8, 1, 0, 2), (16, 2, 0, 2), (32, 4, 0, 2), (64, 8, 0, 2),
+                                 (16, 2, 4, 1), (16, 2, 4, 2), (32, 4, 4, 3)):
+            cfg, _ = mod._decode_lanes_config(S, R, D, br, has_ids=False, out_kind=0,
+                                              words=True, persistent=pers, stages=st)
+            label = f"decode lanes block_r={br} warps={nw}" + (
+                f" persistent={pers} stages={st}" if pers else "")
+            out.append((label, cfg, nw, br * D))
     return out
 
 
@@ -164,11 +179,12 @@ def main() -> None:
         jobs += [(lbl, mod._nvfp4_encode_kernel, ENC_PTRS, cfg, nw, el)
                  for lbl, cfg, nw, el in encode_variants(mod)]
     if args.only != "encode":
-        jobs += [(lbl, mod._nvfp4_decode_kernel, DEC_PTRS, cfg, nw, el)
+        jobs += [(lbl, mod._nvfp4_decode_lanes_kernel if "lanes" in lbl
+                  else mod._nvfp4_decode_kernel, DEC_PTRS, cfg, nw, el)
                  for lbl, cfg, nw, el in decode_variants(mod)]
     print(f"Triton {triton.__version__}, sm_90, bf16 pages [{L}, 2, {H}, {P}, {D}]\n")
-    print("| variant | SASS | loop | SASS/elem | regs | spill B | global loads / stores |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | SASS | loop | SASS/elem | regs | spill B | smem B | BAR | global loads / stores |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, fn, ptrs, cfg, nw, elems in jobs:
         try:
             k = compile_kernel(fn, ptrs, cfg, nw)
@@ -180,7 +196,7 @@ def main() -> None:
         mem = ", ".join(f"{n}x{op}" for op, n in a["mem"].items() if op[:3] in ("LDG", "STG"))
         spill = a["local"] + sum(n for op, n in a["mem"].items() if op[:3] in ("LDL", "STL"))
         print(f"| {label} | {a['total']} | {a['loop'] or '-'} | {a['per_elem']:.1f} | "
-              f"{a['regs']} | {spill} | {mem} |")
+              f"{a['regs']} | {spill} | {k.metadata.shared} | {a['bar']} | {mem} |")
         if args.hist:
             print("|  | " + ", ".join(f"{op} {n}" for op, n in a["hist"].most_common(args.hist))
                   + " ||||||")

@@ -51,8 +51,10 @@ class SplitPolicy:
         min_tokens: shortest split when the batch can fill the GPU with splits this long.
         fine_min_tokens: shortest split when even ``min_tokens`` splits would leave SMs idle
             (fewer than ``num_sms`` programs); ``fine_min_tokens >= align``.
-        waves: decode's target programs per SM (``programs <= waves * num_sms``).
-        verify_waves: the same for multi-token queries (``programs >= verify_waves * num_sms``).
+        waves: target programs per SM (``programs <= waves * num_sms``).
+        short_ctx: contexts up to this many tokens are not split once every SM has a program.
+        verify_split_ctx: multi-token queries over contexts this long take >= 2 splits.
+        verify_fine_min_tokens: ``fine_min_tokens`` for multi-token queries.
         max_splits: upper bound on the split factor.
         align: ``tokens_per_split`` is rounded up to a multiple of this (a power of two >= 16;
             the kernel needs its KV tile size BLOCK_N to divide it).
@@ -61,8 +63,10 @@ class SplitPolicy:
     min_tokens: int = MIN_TOKENS_PER_SPLIT
     fine_min_tokens: int = FINE_MIN_TOKENS_PER_SPLIT
     waves: float = 4.0
-    verify_waves: float = 8.0
     max_splits: int = MAX_SPLITS
+    short_ctx: int = 2048
+    verify_split_ctx: int = 8192
+    verify_fine_min_tokens: int = 256
     align: int = SPLIT_ALIGN
 
     def __post_init__(self):
@@ -71,7 +75,7 @@ class SplitPolicy:
         if not (self.align <= self.fine_min_tokens <= self.min_tokens):
             raise ValueError("need align <= fine_min_tokens <= min_tokens, got "
                              f"{self.align}, {self.fine_min_tokens}, {self.min_tokens}")
-        if self.waves <= 0 or self.verify_waves <= 0 or self.max_splits < 1:
+        if self.waves <= 0 or self.max_splits < 1 or self.verify_fine_min_tokens < self.align:
             raise ValueError(f"waves must be > 0 and max_splits >= 1, got {self.waves}, "
                              f"{self.max_splits}")
 
@@ -146,25 +150,32 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
                       policy: SplitPolicy | None = None, max_query_len: int = 1) -> int:
     """Split-KV factor for a batch (host arithmetic only, never a device sync).
 
-    Decode (one query token per sequence) aims at ``policy.waves`` programs per SM and never
-    more (``floor``): a last, partial wave runs with too few programs to keep HBM busy. On an
-    H200, 32 x 8k decode took 351 us with 3 splits (768 programs) and 260 us with 2 (512).
-    Multi-token queries (verify) aim at ``policy.verify_waves`` (``ceil``): their programs carry
-    more rows and wanted about twice as many (docs/benchmarks.md, attention config sweep). No
-    split is shorter than ``policy.min_tokens``, or ``policy.fine_min_tokens`` when even that
-    leaves fewer programs than SMs (a few sequences). Capped at ``policy.max_splits``.
+    Rules, from the H200 sweeps (docs/benchmarks.md, attention config sweep):
+
+    - Aim at ``policy.waves`` programs per SM and never more (``floor``): a last, partial wave
+      runs with too few programs to keep HBM busy (32 x 8k decode: 351 us with 3 splits = 768
+      programs, 255 us with 2 = 512).
+    - Short contexts (``<= policy.short_ctx``) that already give every SM a program are not
+      split: the partial outputs and the merge cost more than they save.
+    - Multi-token queries (verify) over long contexts (``>= policy.verify_split_ctx``) take at
+      least 2 splits (128 x 8k verify-16: 1300 us unsplit, 1099 us with 2).
+    - No split is shorter than ``policy.min_tokens``, or ``policy.fine_min_tokens`` (decode) /
+      ``policy.verify_fine_min_tokens`` (verify) when even that leaves fewer programs than SMs
+      (a few sequences). Capped at ``policy.max_splits``.
     """
     pol = policy or DEFAULT_SPLIT_POLICY
     programs = max(1, num_seqs * num_kv_heads * num_q_blocks)
-    if max_query_len <= 1:
-        want = math.floor(pol.waves * num_sms / programs)
-    else:
-        want = math.ceil(pol.verify_waves * num_sms / programs)
+    if max_seq_len <= pol.short_ctx and programs >= num_sms:
+        return 1
+    want = math.floor(pol.waves * num_sms / programs)
+    if max_query_len > 1 and max_seq_len >= pol.verify_split_ctx:
+        want = max(want, 2)
     if want <= 1:
         return 1
     most = max(1, max_seq_len // pol.min_tokens)
     if programs * most < num_sms:
-        most = max(1, max_seq_len // pol.fine_min_tokens)
+        fine = pol.fine_min_tokens if max_query_len <= 1 else pol.verify_fine_min_tokens
+        most = max(1, max_seq_len // fine)
     return max(1, min(want, most, pol.max_splits))
 
 
