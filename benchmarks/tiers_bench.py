@@ -83,14 +83,17 @@ def infos_for(ns: Namespace, n: int, first_page_id: int = 0) -> list[PageInfo]:
 
 
 def bench_transfer(device: torch.device, codec: str, batch: int, tiny: bool, reps: int,
-                   chunk: int) -> dict:
+                   chunk: int, pages: int | None = None) -> dict:
+    """One call moves ``pages`` pages (default: one batch) in batches of ``batch``: with more
+    pages than a batch, the batches stream back to back (no wait between them)."""
     L, H, D = geometry(tiny)
     g = KVGroupSpec("target", L, H, D, torch.bfloat16, codec)
     ns = Namespace("bench", [g], P)
+    batch_pages, batch = batch, pages or batch
     pool = PagePool([g], 2 * batch, P, device)
     pool.kv["target"].normal_()
     tiers = TierManager(pool, ns, host_bytes=batch * TierManager.slot_bytes_for(pool),
-                        batch_pages=batch, chunk_pages=chunk)
+                        batch_pages=batch_pages, chunk_pages=chunk)
     src = infos_for(ns, batch)
 
     def down():
@@ -111,7 +114,8 @@ def bench_transfer(device: torch.device, codec: str, batch: int, tiny: bool, rep
     exact = torch.equal(pool.kv["target"][batch], want)
     raw = g.bytes_per_page(P) * batch
     moved = sum(e.nbytes for e in (tiers.host.get(i.hash) for i in src))
-    return dict(codec=codec, batch=batch, chunk=min(chunk, batch), raw=raw, moved=moved,
+    return dict(codec=codec, batch=batch_pages, chunk=min(chunk, batch_pages), raw=raw,
+                moved=moved,
                 ms_down=ms_down, ms_up=ms_up,
                 exact=exact, page_shape=g.page_shape(P))
 
@@ -215,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the markdown here too")
     ap.add_argument("--batch", type=int, default=64, help="pages per transfer batch")
+    ap.add_argument("--pages", type=int, default=None,
+                    help="pages per timed call (default: one batch; more streams batches)")
     ap.add_argument("--chunks", default="8,16",
                     help="pipelined chunk sizes (pages) to time; the serialized variant (one "
                          "chunk per batch) is always timed too")
@@ -234,11 +240,12 @@ def main(argv=None) -> int:
     if not args.skip_transfers:
         lines = [f"### Tier transfers on {dev_name} ({device.type})", "",
                  f"Conditions: target group [{L}, 2, {H}, {P}, {D}] bf16 per page, batch of "
-                 f"{args.batch} pages, pool/host/staging allocated once, median of {args.reps} runs "
+                 f"{args.batch} pages ({args.pages or args.batch} pages per timed call), "
+                 f"pool/host/staging allocated once, median of {args.reps} runs "
                  f"({'CUDA events' if device.type == 'cuda' else 'perf_counter'}), torch "
                  f"{torch.__version__}.", ""]
         chunks = sorted({int(c) for c in args.chunks.split(",") if c} | {args.batch})
-        res = [bench_transfer(device, c, args.batch, args.tiny, args.reps, k)
+        res = [bench_transfer(device, c, args.batch, args.tiny, args.reps, k, args.pages)
                for c in ("identity", "nvfp4") for k in chunks]
         c_d2h, c_h2d = ceiling(device, res[0]["raw"], args.reps)
         lines += ["| path | codec | chunk | bytes/batch moved | ms | GB/s moved | bf16-equiv GB/s | vs ceiling | exact |",
