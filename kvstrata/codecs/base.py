@@ -135,9 +135,9 @@ class Codec(ABC):
 
         pool: ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``; page_ids: ``[M]``
         int64 on ``pool.device``; rows: ``[M, encoded_nbytes]`` uint8 on ``pool.device``, rows
-        contiguous but possibly strided (columns of a staging buffer). Returns a device bool
-        ``[M]`` (``False``: that page cannot be encoded and its row is meaningless) or ``None``
-        when every page can be. Only codecs with ``rows_path``."""
+        contiguous but possibly strided (columns of a staging buffer). Returns the refusals: a
+        device tensor ``[M, ...]`` whose nonzero entries mark a page that cannot be encoded (its
+        row is meaningless), or ``None`` when every page can be. Only codecs with ``rows_path``."""
         raise NotImplementedError(f"codec {self.name!r} has no fixed-size device batch path")
 
     def decode_rows(self, rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor) -> None:

@@ -107,12 +107,12 @@ class NVFP4Codec(Codec):
     def encode_rows(self, pool: torch.Tensor, page_ids: torch.Tensor, rows: torch.Tensor
                     ) -> torch.Tensor:
         """Encode ``pool[page_ids]`` into ``rows`` (strided rows welcome) without a device sync;
-        returns the device ``ok`` flags (False: NaN/Inf or too large, row meaningless)."""
+        returns the refusals (nonzero: NaN/Inf or too large, row meaningless)."""
         if self._use_triton(pool.device):
-            return nvfp4_encode(pool, page_ids, out=rows, **self._tuning())[1]
+            return ~nvfp4_encode(pool, page_ids, out=rows, **self._tuning())[1]
         payload, ok = nvfp4_encode_ref(pool, page_ids)
         rows.copy_(payload)
-        return ok
+        return ~ok
 
     def decode_rows(self, rows: torch.Tensor, pool: torch.Tensor, page_ids: torch.Tensor) -> None:
         self._decode_rows(rows, pool, page_ids)

@@ -163,36 +163,38 @@ class HostTier:
         """Return slots that were taken but not filled (a failed copy)."""
         self._free.extend(slots)
 
-    def add(self, entries: Sequence[HostEntry], event: Any = None, valid: Any = None) -> None:
+    def add(self, entries: Sequence[HostEntry], event: Any = None, refused: Any = None) -> None:
         """Make ``entries`` visible once ``event`` (a CUDA event, or ``None``: already done) has
-        completed; a page is never visible before its bytes are. ``valid``: optional host bool
-        tensor (or list), one per entry, readable once ``event`` completed; entries flagged
-        ``False`` (their codec refused the page) are never published, their slots are freed and
+        completed; a page is never visible before its bytes are. ``refused``: optional host
+        tensor ``[len(entries), ...]``, readable once ``event`` completed; an entry with any
+        nonzero flag (its codec refused the page) is never published, its slot is freed and
         :attr:`on_reject` is told."""
         if event is None:
-            self._publish(entries, valid)
+            self._publish(entries, refused)
         else:
-            self._pending.append((event, list(entries), valid))
+            self._pending.append((event, list(entries), refused))
             self._pending_hashes.update(e.info.hash for e in entries)
 
     def settle(self, block: bool = True) -> None:
         """Publish entries whose copies completed (all of them, waiting, with ``block``)."""
         still = []
-        for ev, entries, valid in self._pending:
+        for ev, entries, refused in self._pending:
             if block:
                 ev.synchronize()
             if block or ev.query():
-                self._publish(entries, valid)
+                self._publish(entries, refused)
             else:
-                still.append((ev, entries, valid))
+                still.append((ev, entries, refused))
         self._pending = still
 
-    def _publish(self, entries: Sequence[HostEntry], valid: Any = None) -> None:
-        flags = valid.tolist() if hasattr(valid, "tolist") else valid
+    def _publish(self, entries: Sequence[HostEntry], refused: Any = None) -> None:
+        bad = None
+        if refused is not None:
+            bad = refused.reshape(len(entries), -1).ne(0).any(dim=1).tolist()
         rejected = []
         for j, e in enumerate(entries):
             self._pending_hashes.discard(e.info.hash)
-            if flags is not None and not flags[j]:
+            if bad is not None and bad[j]:
                 rejected.append(e)
                 self._free.append(e.slot)
                 continue

@@ -148,8 +148,8 @@ class TierManager:
             chunk = todo[k:k + self.batch]
             slots, victims = self.host.take_slots(len(chunk))
             self._spill(victims)
-            entries, ev, valid = self.mover.down(self.ns_digest, chunk, slots)
-            self.host.add(entries, ev, valid)
+            entries, ev, refused = self.mover.down(self.ns_digest, chunk, slots)
+            self.host.add(entries, ev, refused)
             self.counters["d2h_pages"] += len(entries)
             self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
 

@@ -50,17 +50,6 @@ def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
-def _flags(oks: list[tuple[int, int, torch.Tensor]], n: int, device: torch.device) -> torch.Tensor:
-    """One ``[n]`` bool tensor from per-chunk flags ``(first page, pages, flags)``; pages of
-    chunks without flags are fine. A single op when every chunk has flags (the common case)."""
-    if sum(m for _, m, _ in oks) == n and len(oks) == len({k for k, _, _ in oks}):
-        return oks[0][2] if len(oks) == 1 else torch.cat([f for _, _, f in oks])
-    out = torch.ones(n, dtype=torch.bool, device=device)
-    for k, m, f in oks:
-        out[k:k + m] &= f
-    return out
-
-
 class _Pipe:
     """One direction's staging buffers (used in turn) and its two streams (CUDA only).
 
@@ -170,10 +159,10 @@ class Mover:
     def down(self, ns: bytes, infos: Sequence[PageInfo], slots: Sequence[int]):
         """Encode pages ``infos[i].page_id`` into host slots ``slots[i]``.
 
-        Returns ``(entries, event, valid)``: pass them to :meth:`HostTier.add` (the event
-        follows the batch's last copy, ``None`` on the CPU; ``valid`` is ``None`` or a host bool
-        tensor, readable once the event completed: ``False`` for a page its codec refused, e.g.
-        NVFP4 and NaN/Inf).
+        Returns ``(entries, event, refused)``: pass them to :meth:`HostTier.add` (the event
+        follows the batch's last copy, ``None`` on the CPU; ``refused`` is ``None`` or a host
+        tensor ``[n, ...]``, readable once the event completed, nonzero for a page its codec
+        refused, e.g. NVFP4 and NaN/Inf).
         """
         n = len(infos)
         if n > self.batch_pages:
@@ -185,48 +174,51 @@ class Mover:
         if self.cuda:
             p.work.wait_stream(compute)            # the pages are final
         encoded = done = None
-        oks: list[tuple[int, int, torch.Tensor]] = []   # per chunk: False = codec refused page
-        ok_host: torch.Tensor | None = None
+        refusals: list[torch.Tensor] = []   # per chunk: nonzero = a page its codec refused
+        refused: torch.Tensor | None = None
         with _on(p.work):                          # allocations below belong to the work stream
             ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
             for c, k, m in self._chunks(n):
                 b = c % len(p.bufs)
                 stage = p.bufs[b][:m]
                 _after(p.work, p.free[b])          # the copy that last read this buffer is done
-                ok = self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
-                if ok is not None:
-                    oks.append((k, m, ok))
-                if oks and k + m == n:
-                    ok_dev = _flags(oks, n, self.device)
+                bad = self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
+                if bad is not None:
+                    refusals.append(bad)
+                if refusals and k + m == n:
+                    # every chunk runs the same codecs: one refusal tensor per chunk
+                    bad_dev = refusals[0] if len(refusals) == 1 else torch.cat(refusals)
                 encoded = _mark(p.work)
                 _after(p.copy, encoded)
                 if c == 0:
                     _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
                 with _on(p.copy):
                     self._rows_to_slots(stage, slots[k:k + m])
-                    if oks and k + m == n:
+                    if refusals and k + m == n:
                         # The flags travel with the last copy: read once `done` has completed.
-                        ok_host = torch.empty(n, dtype=torch.bool, pin_memory=self.cuda)
-                        ok_host.copy_(ok_dev, non_blocking=self.cuda)
+                        refused = torch.empty(bad_dev.shape, dtype=bad_dev.dtype,
+                                              pin_memory=self.cuda)
+                        refused.copy_(bad_dev, non_blocking=self.cuda)
                         if self.cuda:     # made on the work stream, read here: keep it alive
-                            ok_dev.record_stream(p.copy)
+                            bad_dev.record_stream(p.copy)
                 p.free[b] = done = _mark(p.copy)
         # NOTE: the compute stream only waits until the pages have been read; a page becomes
         # visible in the host tier once `done` (the last copy; copies run in order) completed,
-        # and only if its ok flag says it was encodable. Nothing here waits for the device.
+        # and only if no codec refused it. Nothing here waits for the device.
         _after(compute, encoded)
         entries = [HostEntry(info, ns, s, headers[j], sizes[j]) for j, (info, s) in
                    enumerate(zip(infos, slots))]
-        return entries, done, ok_host
+        return entries, done, refused
 
     def _gather(self, stage: torch.Tensor, ids: torch.Tensor, headers: list[list[EncodedPage]],
                 sizes: list[list[int]]) -> torch.Tensor | None:
-        """Every group of pages ``ids`` into staging rows; returns the device ok flags (or None).
+        """Every group of pages ``ids`` into staging rows; returns the device refusals ``[m, ..]``
+        (nonzero: refused) or None.
 
         Codecs with a device batch path (identity: a gather; NVFP4: one kernel) write straight
         into the staging rows and never wait for the device; others encode page by page."""
         n = len(headers)
-        ok = None
+        bad = None
         for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
             off = self.host.offsets[gi]
             kv = self.pool.kv[spec.name]
@@ -235,9 +227,10 @@ class Mover:
                 timer = nullcontext() if codec.name == "identity" else self._timed(
                     "encode_s", self._down.work)
                 with timer:
-                    good = codec.encode_rows(kv, ids, stage[:, off:off + nb])
-                if good is not None:
-                    ok = good if ok is None else ok & good
+                    refused = codec.encode_rows(kv, ids, stage[:, off:off + nb])
+                if refused is not None:
+                    refused = refused.reshape(n, -1)
+                    bad = refused if bad is None else torch.cat((bad, refused), dim=1)
                 hdr = self._row_headers[gi]
                 for j in range(n):
                     headers[j].append(hdr)
@@ -252,7 +245,7 @@ class Mover:
                 stage[j, off:off + enc.nbytes] = enc.payload.reshape(-1)
                 headers[j].append(replace(enc, payload=_EMPTY))
                 sizes[j].append(enc.nbytes)
-        return ok
+        return bad
 
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
         buf = self.host.buf
