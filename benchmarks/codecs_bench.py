@@ -135,14 +135,27 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
 def _sweep_grids(cuda: bool) -> tuple[list[dict], list[dict]]:
     """Encode / decode knob combinations of ``--nvfp4-sweep`` (the first of each: the defaults)."""
     if not cuda:  # interpreter smoke test: a few small tiles
-        return ([{}, dict(block_r=16, num_warps=2, asm=False)],
-                [{}, dict(block_r=16, num_warps=1, words_per_thread=1),
-                 dict(block_r=8, num_warps=1, words_per_thread=2, flat=True)])
+        return ([{}, dict(block_r=16, num_warps=2, asm=False),
+                 dict(block_r=None, num_warps=2, persistent=1, stages=2)],
+                [{}, dict(block_r=16, num_warps=1, words_per_thread=1, lanes=False),
+                 dict(block_r=8, num_warps=1, words_per_thread=2, flat=True, lanes=False),
+                 dict(block_r=8, num_warps=1, persistent=1, stages=2)])
+    # dropped after the first H200 run: row tiles 64 / 4 warps, words_per_thread 4 and most
+    # 4-8 warp / words_per_thread 2 tilings of the old decode (28-54% of the copy ceiling); one
+    # representative of each stays
     enc = [{}] + [dict(block_r=br, num_warps=nw, asm=asm) for asm in (True, False)
-                  for br, nw in ((None, 8), (None, 4), (None, 16), (32, 4), (64, 4), (32, 8))]
-    dec = [{}] + [dict(block_r=br, num_warps=nw, words_per_thread=wpt, flat=flat)
-                  for flat in (False, True) for wpt in (1, 2, 4)
-                  for br, nw in ((8, 2), (16, 2), (32, 4), (64, 4), (32, 8))]
+                  for br, nw in ((None, 8), (None, 4), (None, 16), (32, 4))]
+    enc += [dict(block_r=None, num_warps=nw, persistent=p, stages=st)
+            for nw, p, st in ((4, 4, 1), (4, 2, 2), (4, 4, 2), (8, 2, 2))]
+    dec = [{}] + [dict(block_r=br, num_warps=nw, lanes=False, **kw)
+                  for br, nw, kw in ((16, 2, {}), (8, 2, {}), (32, 4, {}),
+                                     (16, 2, dict(words_per_thread=2)),
+                                     (16, 2, dict(flat=True)))]
+    dec += [dict(block_r=br, num_warps=nw) for br, nw in ((8, 1), (8, 2), (32, 4),
+                                                          (64, 4), (64, 8), (128, 8))]
+    dec += [dict(block_r=br, num_warps=nw, persistent=p, stages=st)
+            for br, nw, p, st in ((16, 2, 8, 1), (16, 2, 8, 2), (32, 4, 4, 2), (32, 4, 4, 3),
+                                  (64, 8, 2, 2))]
     return enc, dec
 
 

@@ -109,7 +109,7 @@ class NVFP4Codec(Codec):
         """Encode ``pool[page_ids]`` into ``rows`` (strided rows welcome) without a device sync;
         returns the refusals (nonzero: NaN/Inf or too large, row meaningless)."""
         if self._use_triton(pool.device):
-            return ~nvfp4_encode(pool, page_ids, out=rows, **self._tuning())[1]
+            return nvfp4_encode(pool, page_ids, out=rows, raw_flags=True, **self._tuning())[1]
         payload, ok = nvfp4_encode_ref(pool, page_ids)
         rows.copy_(payload)
         return ~ok

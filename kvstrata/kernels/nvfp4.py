@@ -98,8 +98,11 @@ def _check_pages(pages: torch.Tensor, page_ids: torch.Tensor | None) -> tuple[in
                          f"got shape {tuple(pages.shape)}")
     if pages.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"NVFP4 encodes bfloat16/float16/float32 pages, got {pages.dtype}")
-    inner = torch.empty(pages.shape[1:], device="meta").stride()
-    if pages.numel() and tuple(pages.stride()[1:]) != inner:
+    inner, step = [], 1
+    for n in reversed(pages.shape[1:]):   # the strides of one contiguous page
+        inner.append(step)
+        step *= n
+    if pages.numel() and tuple(pages.stride()[1:]) != tuple(reversed(inner)):
         raise ValueError("each page must be contiguous (index a page-first pool, do not transpose)")
     if page_ids is not None and (page_ids.dim() != 1 or page_ids.dtype not in (torch.int32,
                                                                                  torch.int64)):
@@ -479,18 +482,43 @@ def _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6
 
 @triton.jit
 def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
-                         out_stride, out_stride_w, S: tl.constexpr, R, D: tl.constexpr,
+                         out_stride, out_stride_w, n_slabs, S: tl.constexpr, R, D: tl.constexpr,
                          BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
                          HAS_IDS: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
-                         ASM: tl.constexpr, EVEN: tl.constexpr):
-    # One program per slab; see the module doc for the layout and the one-pass scheme.
-    pid = tl.program_id(0).to(tl.int64)
-    m = pid // S
-    s = pid % S
-    if HAS_IDS:
-        page = tl.load(ids_ptr + m).to(tl.int64)
+                         ASM: tl.constexpr, EVEN: tl.constexpr, PERSIST: tl.constexpr,
+                         STAGES: tl.constexpr):
+    # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs,
+    # software-pipelined over STAGES stages.
+    if PERSIST:
+        for pid in tl.range(tl.program_id(0), n_slabs, tl.num_programs(0), num_stages=STAGES):
+            _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
+                         out_stride, out_stride_w, S, R, D, BLOCK_R, NBP, ONE_PASS, HAS_IDS,
+                         KIND, WORDS, ASM, EVEN)
     else:
-        page = m
+        _encode_slab(tl.program_id(0), x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr,
+                     page_stride, out_stride, out_stride_w, S, R, D, BLOCK_R, NBP, ONE_PASS,
+                     HAS_IDS, KIND, WORDS, ASM, EVEN)
+
+
+@triton.jit
+def _slab_page(ms, ids_ptr, S: tl.constexpr, HAS_IDS: tl.constexpr):
+    """Program / slab index ``ms`` -> (payload row m, slab s, page of the pages tensor)."""
+    ms = tl.cast(ms, tl.int64)
+    m = ms // S
+    if HAS_IDS:
+        return m, ms % S, tl.load(ids_ptr + m).to(tl.int64)
+    else:
+        return m, ms % S, m
+
+
+@triton.jit
+def _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
+                 out_stride, out_stride_w, S: tl.constexpr, R, D: tl.constexpr,
+                 BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
+                 HAS_IDS: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
+                 ASM: tl.constexpr, EVEN: tl.constexpr):
+    # One slab; see the module doc for the layout and the one-pass scheme.
+    m, s, page = _slab_page(pid, ids_ptr, S, HAS_IDS)
     # x_ptr is an int32 view of the pages; page_stride counts elements
     EPW: tl.constexpr = 1 if KIND == 3 else 2  # elements per int32 word
     slab = x_ptr + (page * page_stride + s * R * D) // EPW
@@ -561,6 +589,21 @@ def _store_out(ptrs, v, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
+def _decode_slab(ms, in_ptr, inw_ptr, ids_ptr, in_stride, in_stride_w, S: tl.constexpr,
+                 HAS_IDS: tl.constexpr, WORDS: tl.constexpr):
+    """Payload row m and slab s of program ``ms``: (m, s, output page, row start, scale g)."""
+    m, s, page = _slab_page(ms, ids_ptr, S, HAS_IDS)
+    src = in_ptr + m * in_stride
+    if WORDS:
+        g = tl.load(inw_ptr + m * in_stride_w + s).to(tl.float32, bitcast=True)
+    else:
+        g = (tl.load(src + s * 4).to(tl.int32) | (tl.load(src + s * 4 + 1).to(tl.int32) << 8)
+             | (tl.load(src + s * 4 + 2).to(tl.int32) << 16)
+             | (tl.load(src + s * 4 + 3).to(tl.int32) << 24)).to(tl.float32, bitcast=True)
+    return m, s, page, src, g
+
+
+@triton.jit
 def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w, page_stride,
                          S: tl.constexpr, R, D: tl.constexpr, BLOCK_R: tl.constexpr,
                          NWP: tl.constexpr, WPT: tl.constexpr, FLAT: tl.constexpr,
@@ -569,20 +612,9 @@ def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride
     # [BLOCK_R, NWP / WPT, WPT] words of codes (8 elements each); a thread holds WPT neighbouring
     # words (one 4 * WPT-byte load, WPT 16-byte stores for bf16). FLAT: the tile covers
     # BLOCK_R * NWP consecutive words of the slab (no row padding); else BLOCK_R rows.
-    pid = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    m = pid // S
-    s = pid % S
-    if HAS_IDS:
-        page = tl.load(ids_ptr + m).to(tl.int64)
-    else:
-        page = m
-    src = in_ptr + m * in_stride
-    g0 = tl.load(src + s * 4).to(tl.int32)
-    g1 = tl.load(src + s * 4 + 1).to(tl.int32)
-    g2 = tl.load(src + s * 4 + 2).to(tl.int32)
-    g3 = tl.load(src + s * 4 + 3).to(tl.int32)
-    g = (g0 | (g1 << 8) | (g2 << 16) | (g3 << 24)).to(tl.float32, bitcast=True)
+    m, s, page, src, g = _decode_slab(tl.program_id(0), in_ptr, in_ptr, ids_ptr, in_stride, 0, S,
+                                      HAS_IDS, False)
 
     NW: tl.constexpr = D // 8  # words per row (even: D is a multiple of 16)
     G: tl.constexpr = NWP // WPT
@@ -615,6 +647,97 @@ def _nvfp4_decode_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride
     dst = (out_ptr + page * page_stride + s * R * D + widx[:, :, :, None] * 8
            + tl.arange(0, 8)[None, None, None, :])
     _store_out(dst, _e2m1_unpack8(w, bs, g), wmask[:, :, :, None], OUT_KIND)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """Eight [N] tensors -> [N, 8] (element j from vj) without leaving the thread: each join adds
+    a minor in-thread dimension, the first join the most significant bit of j."""
+    t = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)),
+                tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(t, (v0.shape[0], 8))
+
+
+@triton.jit
+def _lane_value(w, J: tl.constexpr, bsg, OUT_KIND: tl.constexpr):
+    """Element J of the words ``w`` ([N] int32 of 8 nibbles) with ``bsg = (bs, g)`` applied, in
+    the output type (int16 bits for OUT_KIND 1; see ``_store_out``)."""
+    c = (w >> (4 * J)) & 7
+    q = (c * 4194304 + 0x3F000000).to(tl.float32, bitcast=True)  # see _e2m1_unpack8
+    q = tl.minimum(q, q * 2.0 - 1.0)
+    mag = (q * bsg[0]) * bsg[1]
+    v = (mag.to(tl.int32, bitcast=True) | ((w << (28 - 4 * J)) & -0x80000000)).to(
+        tl.float32, bitcast=True)
+    if OUT_KIND == 1:
+        vb = v.to(tl.int32, bitcast=True)
+        return ((vb + 0x7FFF + ((vb >> 16) & 1)) >> 16).to(tl.int16)
+    else:
+        return v
+
+
+@triton.jit
+def _ld(p, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(p)
+    else:
+        return tl.load(p, mask=mask, other=0)
+
+
+@triton.jit
+def _decode_lanes_tile(t, in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w, page_stride,
+                       tiles, S: tl.constexpr, R, D: tl.constexpr, BLOCK_W: tl.constexpr,
+                       HAS_IDS: tl.constexpr, OUT_KIND: tl.constexpr, WORDS: tl.constexpr,
+                       EVEN: tl.constexpr):
+    NW: tl.constexpr = D // 8
+    t = tl.cast(t, tl.int64)
+    tile = t % tiles
+    m, s, page, src, g = _decode_slab(t // tiles, in_ptr, inw_ptr, ids_ptr, in_stride,
+                                      in_stride_w, S, HAS_IDS, WORDS)
+    # one word (8 elements) per thread and step: contiguity 1 keeps the loads 32-bit, so every
+    # thread holds exactly the words whose outputs it stores (no exchange through shared memory)
+    q = tl.max_contiguous(tile * BLOCK_W + tl.arange(0, BLOCK_W), [1])
+    if EVEN:  # the slab is a whole number of tiles: no masks
+        mask = None
+        smask = None
+    else:
+        mask = q < R * NW
+        smask = mask[:, None]
+    if WORDS:
+        w = _ld(inw_ptr + m * in_stride_w + S + s * R * NW + q, mask, EVEN)
+    else:
+        cb = src + 4 * S + s * R * (D // 2) + q * 4
+        w = (_ld(cb, mask, EVEN).to(tl.int32)
+             | (_ld(cb + 1, mask, EVEN).to(tl.int32) << 8)
+             | (_ld(cb + 2, mask, EVEN).to(tl.int32) << 16)
+             | (_ld(cb + 3, mask, EVEN).to(tl.int32) << 24))
+    sb = src + 4 * S + S * R * (D // 2) + s * R * (D // 16)
+    bsg = (_e4m3_value_tl(_ld(sb + q // 2, mask, EVEN).to(tl.int32)), g)
+    v = _join8(_lane_value(w, 0, bsg, OUT_KIND), _lane_value(w, 1, bsg, OUT_KIND),
+               _lane_value(w, 2, bsg, OUT_KIND), _lane_value(w, 3, bsg, OUT_KIND),
+               _lane_value(w, 4, bsg, OUT_KIND), _lane_value(w, 5, bsg, OUT_KIND),
+               _lane_value(w, 6, bsg, OUT_KIND), _lane_value(w, 7, bsg, OUT_KIND))
+    dst = out_ptr + page * page_stride + s * R * D + q[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(dst, v.to(dst.dtype.element_ty), mask=smask)
+
+
+@triton.jit
+def _nvfp4_decode_lanes_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w,
+                               page_stride, tiles, n_tiles, S: tl.constexpr, R, D: tl.constexpr,
+                               BLOCK_W: tl.constexpr, HAS_IDS: tl.constexpr,
+                               OUT_KIND: tl.constexpr, WORDS: tl.constexpr, EVEN: tl.constexpr,
+                               PERSIST: tl.constexpr, STAGES: tl.constexpr):
+    # ``lanes`` decode: tiles of BLOCK_W consecutive code words of a slab (``tiles`` per slab,
+    # ``n_tiles`` in all); a program per tile, or (PERSIST) a grid-stride loop over them,
+    # software-pipelined over STAGES stages.
+    if PERSIST:
+        for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _decode_lanes_tile(t, in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_stride_w,
+                               page_stride, tiles, S, R, D, BLOCK_W, HAS_IDS, OUT_KIND, WORDS,
+                               EVEN)
+    else:
+        _decode_lanes_tile(tl.program_id(0), in_ptr, inw_ptr, ids_ptr, out_ptr,
+                           in_stride, in_stride_w, page_stride, tiles, S, R, D, BLOCK_W,
+                           HAS_IDS, OUT_KIND, WORDS, EVEN)
 
 
 def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -666,7 +789,8 @@ def _asm_ok(device: torch.device) -> bool:
 
 
 def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | None, *,
-                   has_ids: bool, words: bool, asm: bool) -> dict:
+                   has_ids: bool, words: bool, asm: bool, persistent: int = 0,
+                   stages: int = 1) -> dict:
     """The encode kernel's constexprs (also used by ``benchmarks/nvfp4_sass.py``)."""
     nbp = triton.next_power_of_2(d // 16)
     full = triton.next_power_of_2(r)
@@ -675,7 +799,8 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
     one_pass = block_r >= r
     br = full if one_pass else block_r
     return dict(S=s, D=d, BLOCK_R=br, NBP=nbp, ONE_PASS=one_pass, HAS_IDS=has_ids,
-                KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16)
+                KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16,
+                PERSIST=persistent > 0, STAGES=stages)
 
 
 def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, flat: bool, *,
@@ -688,10 +813,25 @@ def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, 
                 OUT_KIND=out_kind, WORDS=words), tiles
 
 
+def _decode_lanes_config(s: int, r: int, d: int, block_r: int, *, has_ids: bool, out_kind: int,
+                         words: bool, persistent: int, stages: int) -> tuple[dict, int]:
+    """The ``lanes`` decode kernel's constexprs and its number of tiles per slab."""
+    block_w = block_r * triton.next_power_of_2(d // 8)
+    return dict(S=s, D=d, BLOCK_W=block_w, HAS_IDS=has_ids, OUT_KIND=out_kind, WORDS=words,
+                EVEN=r * (d // 8) % block_w == 0, PERSIST=persistent > 0,
+                STAGES=stages), triton.cdiv(r * (d // 8), block_w)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
-                 num_warps: int = 4, asm: bool | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
+                 stages: int = 1, raw_flags: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
@@ -702,8 +842,12 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
     laid out like host slots). asm: use inline PTX (byte permutes, hardware E4M3 conversion);
     ``None`` = when the device allows it (CUDA sm_89+, not the interpreter); the bytes are the
-    same either way. Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
-    nothing here waits for the device (``ok`` is a device tensor).
+    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs
+    (software-pipelined over ``stages`` stages when > 1); 0 (default) = one program per slab.
+    Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
+    nothing here waits for the device (``ok`` is a device tensor). raw_flags: return the kernel's
+    per-slab flags ``[M, 2 * num_layers]`` int32 (nonzero = not encodable) instead of ``ok``,
+    which saves the reduction's launches (the tiers reduce them on the host).
     """
     s, r, d, m = _check_pages(pages, page_ids)
     total = nvfp4_layout(s, r, d)[3]
@@ -711,23 +855,28 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         out = torch.empty(m, total, dtype=torch.uint8, device=pages.device)
     else:
         _check_rows(out, m, total, pages.device, "out")
-    bad = torch.zeros(m, s, dtype=torch.int32, device=pages.device)
+    # every slab's program writes its flag (no rows: nothing to flag)
+    bad = (torch.empty if r else torch.zeros)(m, s, dtype=torch.int32, device=pages.device)
     if m and r:
         words = _words(out, 8)
         cfg = _encode_config(pages.dtype, s, r, d, block_r, has_ids=page_ids is not None,
                              words=words is not None,
-                             asm=_asm_ok(pages.device) if asm is None else asm)
-        _nvfp4_encode_kernel[(m * s,)](
+                             asm=_asm_ok(pages.device) if asm is None else asm,
+                             persistent=persistent, stages=stages)
+        grid = min(m * s, persistent * _num_sms(pages.device)) if persistent else m * s
+        _nvfp4_encode_kernel[(grid,)](
             pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
             bad, _rcp_table(pages.device), pages.stride(0), out.stride(0), out.stride(0) // 8,
-            R=r, num_warps=num_warps, **cfg)
-    return out, bad.amax(dim=1) == 0 if m else torch.ones(0, dtype=torch.bool,
-                                                           device=pages.device)
+            m * s, R=r, num_warps=num_warps, **cfg)
+    if raw_flags or not m:
+        return out, bad if raw_flags else torch.ones(0, dtype=torch.bool, device=pages.device)
+    return out, bad.amax(dim=1) == 0
 
 
 def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None,
                  *, block_r: int = 16, num_warps: int = 2, words_per_thread: int = 1,
-                 flat: bool = False) -> torch.Tensor:
+                 flat: bool = False, lanes: bool = True, persistent: int = 0,
+                 stages: int = 2) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
     payload: ``[M, nbytes]`` uint8 on ``out.device``; its rows may be strided (e.g. columns of
@@ -736,7 +885,12 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
     two. words_per_thread: 32-bit words of codes (8 elements each) per thread, a power of two
     (one load of 4x that many bytes; capped at the row's words). flat: a program takes
     ``block_r`` rows' worth of consecutive words of a slab instead of whole rows (no padding
-    when ``head_dim / 8`` is not a power of two). Returns ``out``.
+    when ``head_dim / 8`` is not a power of two). lanes (default): a program takes ``block_r``
+    rows' worth of consecutive code words (as ``flat``) and each thread decodes whole words it
+    loaded itself (32-bit loads, 16-byte bf16 stores, no shared memory or barriers);
+    ``words_per_thread`` and ``flat`` are then ignored. persistent (with ``lanes``): launch
+    ``persistent`` programs per SM, each looping over tiles, software-pipelined over ``stages``
+    stages; 0 = one program per tile. Returns ``out``.
     """
     s, r, d, m = _check_pages(out, page_ids)
     _check_payload(payload, m, nvfp4_layout(s, r, d)[3])
@@ -749,11 +903,20 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
         bf16 = out.dtype == torch.bfloat16
         # the interpreter's fp32 -> bf16 cast truncates, so CPU rounds by hand (same result)
         kind = 1 if bf16 and out.device.type == "cpu" else 0
-        cfg, tiles = _decode_config(s, r, d, block_r, words_per_thread, flat,
-                                    has_ids=page_ids is not None, out_kind=kind,
-                                    words=words is not None)
-        _nvfp4_decode_kernel[(m * s, tiles)](
-            payload, payload if words is None else words, _ids(page_ids, out),
-            out.view(torch.int16) if kind == 1 else out, payload.stride(0),
-            payload.stride(0) // 4, out.stride(0), R=r, num_warps=num_warps, **cfg)
+        args = (payload, payload if words is None else words, _ids(page_ids, out),
+                out.view(torch.int16) if kind == 1 else out, payload.stride(0),
+                payload.stride(0) // 4, out.stride(0))
+        if lanes:
+            cfg, tiles = _decode_lanes_config(s, r, d, block_r, has_ids=page_ids is not None,
+                                              out_kind=kind, words=words is not None,
+                                              persistent=persistent, stages=stages)
+            n_tiles = m * s * tiles
+            grid = min(n_tiles, persistent * _num_sms(out.device)) if persistent else n_tiles
+            _nvfp4_decode_lanes_kernel[(grid,)](*args, tiles, n_tiles, R=r,
+                                                 num_warps=num_warps, **cfg)
+        else:
+            cfg, tiles = _decode_config(s, r, d, block_r, words_per_thread, flat,
+                                        has_ids=page_ids is not None, out_kind=kind,
+                                        words=words is not None)
+            _nvfp4_decode_kernel[(m * s, tiles)](*args, R=r, num_warps=num_warps, **cfg)
     return out

@@ -99,8 +99,35 @@ def test_decode_variants_match_reference(wpt, flat, head_dim):
     a, _ = nvfp4_encode_ref(x)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(a, o1)
-    nvfp4_decode(a, o2, block_r=4, num_warps=1, words_per_thread=wpt, flat=flat)
+    nvfp4_decode(a, o2, block_r=4, num_warps=1, words_per_thread=wpt, flat=flat, lanes=False)
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_r,persistent,stages", [(4, 0, 2), (8, 0, 2), (2, 1, 1),
+                                                       (1, 2, 2), (4, 1, 3)])
+@pytest.mark.parametrize("head_dim", [48, 64])  # a partial last tile (masks) / whole tiles
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_lanes_and_persistent_match_reference(block_r, persistent, stages, head_dim,
+                                                     dtype):
+    # lanes (a thread decodes the words it loaded), with and without the persistent tile loop;
+    # head_dim 48: unaligned payload rows (byte I/O) and 2 x 3 x 6 words per slab
+    x = _special_pages(dtype, "wide", shape=(2, 2, 2, 2, 3, head_dim), seed=6)
+    a, _ = nvfp4_encode_ref(x)
+    o1, o2 = torch.empty_like(x), torch.empty_like(x)
+    nvfp4_decode_ref(a, o1)
+    nvfp4_decode(a, o2, block_r=block_r, num_warps=1, lanes=True, persistent=persistent,
+                 stages=stages)
+    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+
+
+@pytest.mark.parametrize("block_r,stages", [(None, 1), (None, 2), (4, 2)])
+def test_encode_persistent_matches_reference(block_r, stages):
+    # a grid-stride loop over slabs (fewer programs than slabs), pipelined or not
+    x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=12)
+    a, fa = nvfp4_encode_ref(x)
+    b, fb = nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False, persistent=1,
+                         stages=stages)
+    assert torch.equal(a, b) and torch.equal(fa, fb)
 
 
 def test_encode_tiles_and_asm_switch():
@@ -126,8 +153,13 @@ def test_strided_payload_rows_staging_layout(pad):
     assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(dense, o1)
-    nvfp4_decode(view, o2, block_r=4, num_warps=1)
-    assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+    for lanes in (True, False):
+        o2.zero_()
+        nvfp4_decode(view, o2, block_r=4, num_warps=1, lanes=lanes)
+        assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
+    _, ok = nvfp4_encode(x, out=view, block_r=None, num_warps=1, persistent=1)
+    assert ok.all() and torch.equal(view, dense)
+    assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
     with pytest.raises(ValueError, match="uint8"):
         nvfp4_encode(x, out=stage[:, :total - 1])
 
