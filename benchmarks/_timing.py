@@ -16,14 +16,20 @@ import torch
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, reps: int,
-              flush: torch.Tensor | None = None, sync_all: bool = False) -> float:
+              flush: torch.Tensor | None = None, sync_all: bool = False,
+              setup: Callable[[], object] | None = None) -> float:
     """Median time (ms) of ``reps`` calls of ``fn()``, after one warm-up call (and compile).
 
     ``sync_all`` waits for every stream of the device before each run (for code that works on
-    side streams, such as the tiers' copy streams, so one run never overlaps the next)."""
+    side streams, such as the tiers' copy streams, so one run never overlaps the next);
+    ``setup`` runs before each call (warm-up included), outside the timed region."""
+    if setup is not None:
+        setup()
     fn()
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         if device.type == "cuda":
             if sync_all:
                 torch.cuda.synchronize(device)
