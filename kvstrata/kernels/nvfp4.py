@@ -743,6 +743,9 @@ def _nvfp4_decode_lanes_kernel(in_ptr, inw_ptr, ids_ptr, out_ptr, in_stride, in_
 def _ids(page_ids: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if page_ids is None:
         return torch.zeros(1, dtype=torch.int64, device=like.device)
+    if (page_ids.dtype == torch.int64 and page_ids.device == like.device
+            and page_ids.is_contiguous()):
+        return page_ids   # the common case, without two dispatcher round trips
     return page_ids.to(device=like.device, dtype=torch.int64).contiguous()
 
 
@@ -788,6 +791,7 @@ def _asm_ok(device: torch.device) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.lru_cache(maxsize=256)   # pure; cached because the tiers launch it per chunk
 def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | None, *,
                    has_ids: bool, words: bool, asm: bool, persistent: int = 0,
                    stages: int = 1) -> dict:
@@ -803,6 +807,7 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
                 PERSIST=persistent > 0, STAGES=stages)
 
 
+@functools.lru_cache(maxsize=256)
 def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, flat: bool, *,
                    has_ids: bool, out_kind: int, words: bool) -> tuple[dict, int]:
     """The decode kernel's constexprs and its number of tiles per slab."""
@@ -813,6 +818,7 @@ def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, 
                 OUT_KIND=out_kind, WORDS=words), tiles
 
 
+@functools.lru_cache(maxsize=256)
 def _decode_lanes_config(s: int, r: int, d: int, block_r: int, *, has_ids: bool, out_kind: int,
                          words: bool, persistent: int, stages: int) -> tuple[dict, int]:
     """The ``lanes`` decode kernel's constexprs and its number of tiles per slab."""

@@ -63,6 +63,17 @@ class _Pipe:
         self.free: list[object] = [None] * nbuf
         self.work = torch.cuda.Stream(device) if cuda else None
         self.copy = torch.cuda.Stream(device) if cuda else None
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def view(self, b: int, m: int, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Buffer ``b``'s first ``m`` rows (bytes ``cols[0]:cols[1]`` of each), cached: a torch
+        slice costs ~4 us of host time, and a batch takes several per chunk."""
+        key = (b, m, cols)
+        v = self._views.get(key)
+        if v is None:
+            v = self.bufs[b][:m] if cols is None else self.view(b, m)[:, cols[0]:cols[1]]
+            self._views[key] = v
+        return v
 
 
 def _on(stream):
@@ -180,9 +191,10 @@ class Mover:
             ids = torch.tensor([i.page_id for i in infos], dtype=torch.long, device=self.device)
             for c, k, m in self._chunks(n):
                 b = c % len(p.bufs)
-                stage = p.bufs[b][:m]
+                stage = p.view(b, m)
                 _after(p.work, p.free[b])          # the copy that last read this buffer is done
-                bad = self._gather(stage, ids[k:k + m], headers[k:k + m], sizes[k:k + m])
+                bad = self._gather(stage, ids if m == n else ids[k:k + m], headers[k:k + m],
+                                   sizes[k:k + m], (p, b))
                 if bad is not None:
                     refusals.append(bad)
                 if refusals and k + m == n:
@@ -211,7 +223,8 @@ class Mover:
         return entries, done, refused
 
     def _gather(self, stage: torch.Tensor, ids: torch.Tensor, headers: list[list[EncodedPage]],
-                sizes: list[list[int]]) -> torch.Tensor | None:
+                sizes: list[list[int]], buf: tuple[_Pipe, int] | None = None
+                ) -> torch.Tensor | None:
         """Every group of pages ``ids`` into staging rows; returns the device refusals ``[m, ..]``
         (nonzero: refused) or None.
 
@@ -226,8 +239,10 @@ class Mover:
                 nb = self.host.max_sizes[gi]
                 timer = nullcontext() if codec.name == "identity" else self._timed(
                     "encode_s", self._down.work)
+                rows = (stage[:, off:off + nb] if buf is None
+                        else buf[0].view(buf[1], n, (off, off + nb)))
                 with timer:
-                    refused = codec.encode_rows(kv, ids, stage[:, off:off + nb])
+                    refused = codec.encode_rows(kv, ids, rows)
                 if refused is not None:
                     refused = refused.reshape(n, -1)
                     bad = refused if bad is None else torch.cat((bad, refused), dim=1)
@@ -250,7 +265,8 @@ class Mover:
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
         buf = self.host.buf
         for row, slot, k in _runs(slots):
-            buf[slot:slot + k].copy_(stage[row:row + k], non_blocking=self.cuda)
+            src = stage if row == 0 and k == stage.shape[0] else stage[row:row + k]
+            buf[slot:slot + k].copy_(src, non_blocking=self.cuda)
 
     # -- host -> device -----------------------------------------------------------------------------
     def up(self, entries: Sequence[HostEntry], page_ids: Sequence[int]):
@@ -268,14 +284,15 @@ class Mover:
             ids = torch.tensor(list(page_ids), dtype=torch.long, device=self.device)
             for c, k, m in self._chunks(n):
                 b = c % len(p.bufs)
-                stage = p.bufs[b][:m]
+                stage = p.view(b, m)
                 _after(p.copy, p.free[b])          # the decode that last read this buffer is done
                 with _on(p.copy):
                     for row, slot, r in _runs(slots[k:k + m]):
-                        stage[row:row + r].copy_(self.host.buf[slot:slot + r],
-                                                 non_blocking=self.cuda)
+                        dst = stage if row == 0 and r == m else stage[row:row + r]
+                        dst.copy_(self.host.buf[slot:slot + r], non_blocking=self.cuda)
                 _after(p.work, _mark(p.copy))
-                self._decode(stage, entries[k:k + m], ids[k:k + m], page_ids[k:k + m])
+                self._decode(stage, entries[k:k + m], ids if m == n else ids[k:k + m],
+                             page_ids[k:k + m], (p, b))
                 p.free[b] = done = _mark(p.work)
         # `done` follows the last decode, which follows every copy of the batch.
         _after(compute, done)
@@ -284,7 +301,7 @@ class Mover:
         return done
 
     def _decode(self, stage: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
-                page_ids: Sequence[int]) -> None:
+                page_ids: Sequence[int], buf: tuple[_Pipe, int] | None = None) -> None:
         """Every group of staged host slots into pool pages ``ids`` (one op per group when its
         codec has a device batch path and every entry is in that codec's row format)."""
         n = len(entries)
@@ -298,8 +315,10 @@ class Mover:
                 if all(_same_format(e.headers[gi], want) and e.sizes[gi] == nb for e in entries):
                     timer = nullcontext() if codec.name == "identity" else self._timed(
                         "decode_s", self._up.work)
+                    rows = (stage[:n, off:off + nb] if buf is None
+                            else buf[0].view(buf[1], n, (off, off + nb)))
                     with timer:
-                        codec.decode_rows(stage[:n, off:off + nb], kv, ids)
+                        codec.decode_rows(rows, kv, ids)
                     continue
             # Host bytes were verified when they arrived: no second checksum pass.
             with self._timed("decode_s", self._up.work):
