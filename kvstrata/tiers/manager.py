@@ -52,7 +52,10 @@ class TierManager:
         host_bytes: host tier capacity (at least one page slot).
         disk: an open :class:`DiskTier`, or ``None`` for host only.
         write_through: also write a page to host and disk as soon as it is hashed.
-        batch_pages: pages per copy batch.
+        batch_pages: most pages per copy batch (capped by the host slots). Each batch costs
+            fixed host work (Python per page, launches per chunk); on an H200, NVFP4 evictions
+            streamed at 3.25x the raw PCIe figure in batches of 256 and 2.6x in batches of 64
+            (docs/benchmarks.md, Tiers).
         chunk_pages: pages per pipelined chunk of a batch (two staging buffers of this many
             pages per direction; chunk k's copy overlaps chunk k+1's encode/decode). Default:
             about 16 MiB of host slots (``transfer.default_chunk_pages``); ``>= batch_pages``:
@@ -61,7 +64,7 @@ class TierManager:
 
     def __init__(self, pool: PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
                  disk: DiskTier | None = None, write_through: bool = False,
-                 batch_pages: int = 64, attach: bool = True, chunk_pages: int | None = None):
+                 batch_pages: int = 256, attach: bool = True, chunk_pages: int | None = None):
         if namespace.page_size != pool.page_size:
             raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
                              f"{pool.page_size}")
