@@ -1,9 +1,13 @@
 """The host tier: fixed page slots in one host buffer (pinned when CUDA is present), LRU.
 
 The buffer is allocated once, ``[num_slots, slot_bytes]`` uint8, and slots are reused: a slot
-holds every group's *encoded* payload of one page at fixed offsets (the largest payload each
-group's codec can produce), so the host never allocates per page and a D2H copy lands directly in
-its final place. Entries become visible only when the copy that fills them has completed
+holds every group's payload of one page at fixed offsets (the largest payload each group's host
+format can take), so the host never allocates per page and a D2H copy lands directly in its final
+place. A group's host format is :func:`host_codec` of its codec: the codec's own output when it
+has a device batch path (identity, NVFP4), the raw page bytes (identity) for a CPU-only lossless
+codec, which runs at the disk boundary instead (its bound is the raw page anyway: compressing for
+the host would save no host memory, only cost device syncs and CPU time on the eviction path).
+Entries become visible only when the copy that fills them has completed
 (:meth:`HostTier.settle`), and the tier never touches a slot's bytes itself: the
 :class:`~kvstrata.tiers.manager.TierManager` decides what is copied where and when.
 """
@@ -16,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..codecs import Codec, EncodedPage
+from ..codecs import Codec, EncodedPage, get_codec
 from ..pagepool import KVGroupSpec, PageInfo, format_bytes
 
 
@@ -38,6 +42,20 @@ class HostEntry:
         return sum(self.sizes)
 
 
+def host_codec(codec: Codec) -> Codec:
+    """The codec whose output a host slot holds for a group configured with ``codec``.
+
+    Codecs with a device batch path (``rows_path``: identity, NVFP4) encode straight into the
+    staging rows, so the host holds their output. A lossless codec without one (``lossless``:
+    byte planes + zstd on the CPU) is kept raw in the host tier (identity) and runs only at the
+    disk boundary. A lossy codec without a device path has no raw stand-in and keeps its own
+    format (encoded page by page).
+    """
+    if codec.rows_path or not codec.lossless:
+        return codec
+    return get_codec("identity")
+
+
 def slot_layout(specs: Sequence[KVGroupSpec], codecs: Sequence[Codec], page_size: int
                 ) -> tuple[list[int], list[int], int]:
     """``(offsets, max_sizes, slot_bytes)``: each group's payload offset and bound in a slot.
@@ -47,7 +65,7 @@ def slot_layout(specs: Sequence[KVGroupSpec], codecs: Sequence[Codec], page_size
     """
     offsets, sizes, off = [], [], 0
     for spec, codec in zip(specs, codecs):
-        n = codec.encoded_nbytes(spec, page_size)
+        n = host_codec(codec).encoded_nbytes(spec, page_size)
         n = spec.bytes_per_page(page_size) if n is None else int(n)
         offsets.append(off)
         sizes.append(n)

@@ -13,6 +13,16 @@ Records carry the digest of the *unsalted* namespace (models, groups, page size,
 salt is already bound by its chain hash (the key), so a reader checks the unsalted digest, the hash
 link ``H(parent || tokens)`` and the token ids.
 
+Codecs and tiers: host slots hold device-codec output (identity or NVFP4, encoded by the
+:class:`~kvstrata.tiers.transfer.Mover` straight into its staging rows) or the raw page bytes for
+a CPU-only lossless codec (``lossless``), whose host header says identity. CPU codecs run at the
+disk boundary: :meth:`TierManager._to_disk` encodes such a group's raw host bytes with the
+configured codec into the record (records on disk always hold the configured codec's output, so
+``check_groups`` and ``kvstrata inspect --verify`` see the same records as ever), and
+:meth:`TierManager._from_disk` decodes them back into raw host bytes. Eviction and promotion
+through the host therefore never wait for the device nor run a CPU codec; host byte counters
+(``host_bytes``, ``d2h_bytes``, ``h2d_bytes``) count raw bytes for those groups.
+
 The host tier is inclusive: a page promoted from disk keeps its host copy, and a page demoted
 again that is still on the host costs nothing. Pages go to disk when the host evicts them
 (write-back, default) or as soon as they are hashed (``write_through=True``).
@@ -22,12 +32,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from ..codecs import CorruptPageError, EncodedPage, get_codec
+from ..codecs import CorruptPageError, EncodedPage, LosslessCodec, get_codec
+from ..dtypes import canonical_dtype
 from ..pagepool import Namespace, PageInfo, PagePool
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
@@ -41,6 +55,21 @@ _COUNTERS = ("host_hits", "host_misses", "disk_hits", "disk_misses",
              "host_to_disk_pages", "host_to_disk_bytes", "disk_to_host_pages", "disk_to_host_bytes",
              "checksum_failures", "mismatches", "host_evictions", "dropped_pages",
              "unencodable_pages")
+
+#: Threads that encode host pages for the disk tier (zstd and numpy release the GIL).
+_ENCODE_THREADS = min(4, os.cpu_count() or 1)
+_encoders: tuple[int, ThreadPoolExecutor] | None = None
+_encoders_lock = threading.Lock()
+
+
+def _encoder_pool() -> ThreadPoolExecutor:
+    """The process's shared encoder threads (made again in a forked child, which has none)."""
+    global _encoders
+    with _encoders_lock:
+        if _encoders is None or _encoders[0] != os.getpid():
+            _encoders = (os.getpid(), ThreadPoolExecutor(_ENCODE_THREADS,
+                                                         thread_name_prefix="kvstrata-encode"))
+        return _encoders[1]
 
 
 class TierManager:
@@ -84,6 +113,10 @@ class TierManager:
                              f"({self.host.slot_bytes} bytes): it stages every transfer")
         self.batch = min(batch_pages, self.host.num_slots)
         self.mover = Mover(pool, self.host, self.codecs, self.batch, chunk_pages)
+        # Groups kept raw in the host tier whose configured (CPU) codec runs at the disk boundary.
+        self._disk_coded = [gi for gi, (c, hc) in enumerate(zip(self.codecs,
+                                                                self.mover.host_codecs))
+                            if hc is not c]
         self.disk = disk
         self.write_through = write_through
         self._wt_queue: list[PageInfo] = []
@@ -190,12 +223,24 @@ class TierManager:
         self._to_disk([v for v, h in zip(victims, have) if not h])
 
     def _to_disk(self, entries: Sequence[HostEntry]) -> None:
+        """Write host entries to disk as records; groups kept raw on the host are encoded with
+        their configured codec here, on the CPU (records always hold that codec's output)."""
         if not entries:
             return
-        items = []
-        for e in entries:
-            payloads = [self.host.payload(e, gi).numpy().data for gi in range(len(self.specs))]
-            items.append((e.info.hash, build_record(e.ns, e.info, self.names, e.headers, payloads)))
+        pages = [list(e.headers) for e in entries]
+        payloads = [[self.host.payload(e, gi).numpy().data for gi in range(len(self.specs))]
+                    for e in entries]
+        jobs = [(j, gi) for j, e in enumerate(entries) for gi in self._disk_coded
+                if e.headers[gi].codec != self.codecs[gi].name]
+        if jobs:
+            t0 = time.perf_counter()
+            encs = self._encode_raw([(entries[j], gi) for j, gi in jobs])
+            self.mover.timings["encode_s"] += time.perf_counter() - t0
+            for (j, gi), enc in zip(jobs, encs):
+                pages[j][gi] = enc
+                payloads[j][gi] = enc.payload.numpy().data
+        items = [(e.info.hash, build_record(e.ns, e.info, self.names, hdrs, pls))
+                 for e, hdrs, pls in zip(entries, pages, payloads)]
         n = self.disk.put_batch(items)
         self.counters["dropped_pages"] += len(items) - n
         stored = items[:n]
@@ -203,6 +248,20 @@ class TierManager:
         self.counters["host_to_disk_bytes"] += sum(sum(len(p) for p in parts) for _, parts in stored)
         for e in entries[:n]:
             e.on_disk = True
+
+    def _encode_raw(self, jobs: list[tuple[HostEntry, int]]) -> list[EncodedPage]:
+        """Each ``(entry, group)``'s raw host bytes encoded with the group's configured codec
+        (the encoded payloads are new host tensors: the slots may be reused afterwards). The
+        built-in lossless codec is thread-safe and encodes on a few threads; any other codec
+        page by page."""
+        def one(job: tuple[HostEntry, int]) -> EncodedPage:
+            e, gi = job
+            h = e.headers[gi]
+            raw = self.host.payload(e, gi).view(canonical_dtype(h.dtype)).view(h.shape)
+            return self.codecs[gi].encode(raw)
+        if len(jobs) > 1 and all(type(self.codecs[gi]) is LosslessCodec for _, gi in jobs):
+            return list(_encoder_pool().map(one, jobs))
+        return [one(job) for job in jobs]
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
@@ -289,6 +348,7 @@ class TierManager:
         self.mover.fence_host_writes()
         out: list[HostEntry | None] = []
         bad: list[bytes] = []
+        read = 0
         with self.disk.reader() as get:
             for info, slot in zip(infos, slots):
                 buf = get(info.hash)
@@ -297,21 +357,14 @@ class TierManager:
                 try:
                     rec = verify_record(buf, self.ns_digest, info, self.specs, self.codecs,
                                         self.pool.page_size)
+                    headers, sizes = self._fill_slot(slot, rec.header["groups"], rec.payloads)
                 except CorruptPageError as e:
                     key = "mismatches" if isinstance(e, RecordMismatch) else "checksum_failures"
                     self.counters[key] += 1
                     log.warning("disk tier: page %s is unusable (%s); deleted", info.hash.hex(), e)
                     bad.append(info.hash)
                     break
-                headers, sizes = [], []
-                for gi, (g, p) in enumerate(zip(rec.header["groups"], rec.payloads)):
-                    off = self.host.offsets[gi]
-                    np.copyto(self.host.buf[slot, off:off + len(p)].numpy(),
-                              np.frombuffer(p, dtype=np.uint8))
-                    headers.append(EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]),
-                                               g["dtype"], torch.empty(0, dtype=torch.uint8),
-                                               g["checksum"], dict(g["meta"] or {})))
-                    sizes.append(len(p))
+                read += sum(len(p) for p in rec.payloads)
                 out.append(HostEntry(info, self.ns_digest, slot, headers, sizes, on_disk=True))
         self.host.give_back(slots[len(out):])
         self.host.add([e for e in out if e is not None])
@@ -319,12 +372,50 @@ class TierManager:
             self.disk.delete(bad)
         self.disk.touch([e.info.hash for e in out])
         self.counters["disk_to_host_pages"] += len(out)
-        self.counters["disk_to_host_bytes"] += sum(e.nbytes for e in out)
+        self.counters["disk_to_host_bytes"] += read
         return out + [None] * (len(infos) - len(out))
+
+    def _fill_slot(self, slot: int, groups: list[dict], payloads: Sequence[memoryview]
+                   ) -> tuple[list[EncodedPage], list[int]]:
+        """Copy a verified record's payloads into host slot ``slot`` in each group's host
+        format: as they are, or decoded to raw bytes (CPU) for groups kept raw on the host.
+        Returns the entry's headers and sizes; raises CorruptPageError if a payload does not
+        decode."""
+        headers, sizes = [], []
+        for gi, (g, p) in enumerate(zip(groups, payloads)):
+            off = self.host.offsets[gi]
+            if gi in self._disk_coded:
+                enc = EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]), g["dtype"],
+                                  torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p)
+                                  else torch.empty(0, dtype=torch.uint8),
+                                  None, dict(g["meta"] or {}))   # payload CRC verified already
+                t0 = time.perf_counter()
+                raw = self.codecs[gi].decode(enc).contiguous().reshape(-1).view(torch.uint8)
+                self.mover.timings["decode_s"] += time.perf_counter() - t0
+                nb = self.host.max_sizes[gi]
+                if raw.numel() != nb:
+                    raise CorruptPageError(f"group {self.names[gi]!r}: decoded page has "
+                                           f"{raw.numel()} bytes, the host slot holds {nb}")
+                self.host.buf[slot, off:off + nb].copy_(raw)
+                headers.append(self.mover.host_header(gi))
+                sizes.append(nb)
+                continue
+            np.copyto(self.host.buf[slot, off:off + len(p)].numpy(),
+                      np.frombuffer(p, dtype=np.uint8))
+            headers.append(EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]),
+                                       g["dtype"], torch.empty(0, dtype=torch.uint8),
+                                       g["checksum"], dict(g["meta"] or {})))
+            sizes.append(len(p))
+        return headers, sizes
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters per tier and direction, codec time, disk errors and evictions."""
+        """Counters per tier and direction, codec time, disk errors and evictions.
+
+        Host-side byte counts (``host_bytes``, ``d2h_bytes``, ``h2d_bytes``) are the bytes in
+        host slots: raw for groups whose CPU codec runs at the disk boundary (``lossless``);
+        ``host_to_disk_bytes`` / ``disk_to_host_bytes`` are record bytes (encoded). ``encode_s`` /
+        ``decode_s`` include the disk boundary's CPU codec time."""
         out = dict(self.counters)
         out.update(self.mover.collect_timings())
         out["host_pages"] = len(self.host)

@@ -1,5 +1,14 @@
 """Page copies between the pool's device and host slots, encoding on the way down.
 
+Host slots hold device-codec output (identity or NVFP4, written by the codec's batch path
+straight into the staging rows) or, for a CPU-only lossless codec (``lossless``: byte planes +
+zstd), the raw page bytes under an identity header (:func:`~kvstrata.tiers.host.host_codec`):
+such a group moves exactly like an identity group, one gather per chunk, never a per-page encode
+or a device sync. CPU codecs run at the disk boundary (the
+:class:`~kvstrata.tiers.manager.TierManager` encodes host bytes into records and decodes records
+into host slots). Only a lossy codec without a device batch path would be encoded page by page
+here (none exists today).
+
 A batch of pages moves in chunks through two staging buffers ``[chunk, slot_bytes]`` uint8 on the
 pool's device, allocated once, laid out exactly like a host slot and used in turn. Down: gather +
 encode chunk k into its staging buffer (device work, one op per identity group), then copy its
@@ -34,7 +43,7 @@ import torch
 from ..codecs import Codec, EncodedPage
 from ..dtypes import dtype_name
 from ..pagepool import PageInfo, PagePool
-from .host import HostEntry, HostTier
+from .host import HostEntry, HostTier, host_codec
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -107,11 +116,15 @@ def default_chunk_pages(slot_bytes: int, batch_pages: int) -> int:
 
 
 class Mover:
-    """Encodes/decodes and copies batches of pages between ``pool`` and ``host``."""
+    """Encodes/decodes and copies batches of pages between ``pool`` and ``host``.
+
+    ``codecs`` are the groups' configured codecs; pages move in each group's host format,
+    :attr:`host_codecs` (``host_codec`` of each: identity for CPU-only lossless codecs)."""
 
     def __init__(self, pool: PagePool, host: HostTier, codecs: Sequence[Codec], batch_pages: int,
                  chunk_pages: int | None = None):
         self.pool, self.host, self.codecs = pool, host, list(codecs)
+        self.host_codecs = [host_codec(c) for c in self.codecs]
         self.specs = list(pool.groups)
         self.device = pool.device
         self.cuda = self.device.type == "cuda"
@@ -132,8 +145,16 @@ class Mover:
         self._row_headers = [
             EncodedPage(c.name, c.version, tuple(g.page_shape(pool.page_size)),
                         dtype_name(g.dtype), _EMPTY) if c.rows_path else None
-            for g, c in zip(self.specs, self.codecs)]
+            for g, c in zip(self.specs, self.host_codecs)]
         self._last_up = None     # event after which no H2D batch reads host slots any more
+
+    def host_header(self, group: int) -> EncodedPage:
+        """The host header of group index ``group`` when its host format has a device batch
+        path (identity, NVFP4; identity for CPU-only lossless codecs); payload empty."""
+        hdr = self._row_headers[group]
+        if hdr is None:
+            raise ValueError(f"group {self.specs[group].name!r} has no fixed host row format")
+        return hdr
 
     @contextmanager
     def _timed(self, key: str, stream=None) -> Iterator[None]:
@@ -228,11 +249,12 @@ class Mover:
         """Every group of pages ``ids`` into staging rows; returns the device refusals ``[m, ..]``
         (nonzero: refused) or None.
 
-        Codecs with a device batch path (identity: a gather; NVFP4: one kernel) write straight
-        into the staging rows and never wait for the device; others encode page by page."""
+        Host formats with a device batch path (identity, also for CPU-only lossless codecs: a
+        gather; NVFP4: one kernel) write straight into the staging rows and never wait for the
+        device; others encode page by page."""
         n = len(headers)
         bad = None
-        for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
+        for gi, (spec, codec) in enumerate(zip(self.specs, self.host_codecs)):
             off = self.host.offsets[gi]
             kv = self.pool.kv[spec.name]
             if codec.rows_path:
@@ -303,9 +325,9 @@ class Mover:
     def _decode(self, stage: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
                 page_ids: Sequence[int], buf: tuple[_Pipe, int] | None = None) -> None:
         """Every group of staged host slots into pool pages ``ids`` (one op per group when its
-        codec has a device batch path and every entry is in that codec's row format)."""
+        host format has a device batch path and every entry is in its row format)."""
         n = len(entries)
-        for gi, (spec, codec) in enumerate(zip(self.specs, self.codecs)):
+        for gi, (spec, codec) in enumerate(zip(self.specs, self.host_codecs)):
             off = self.host.offsets[gi]
             kv = self.pool.kv[spec.name]
             shape = spec.page_shape(self.pool.page_size)

@@ -148,3 +148,70 @@ def test_host_slots_come_out_ascending_so_runs_are_one_copy(tmp_path):
     host.give_back([])
     again, _ = host.take_slots(5)
     assert again == sorted(again)
+
+
+def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tmp_path,
+                                                                              monkeypatch):
+    # The lossless codec has no device batch path: its pages move like identity (no per-page
+    # encode, no device sync on eviction), are raw in host slots, and are compressed only when
+    # they go to disk; the records on disk are the lossless codec's, as before.
+    from kvstrata.codecs import LosslessCodec
+    from kvstrata.tiers import transfer
+    from kvstrata.tiers.record import check_groups, check_payloads, parse_record
+
+    in_down, encodes = [], []
+    real_encode, real_down = LosslessCodec.encode, transfer.Mover.down
+
+    def encode(self, page):
+        if in_down:
+            raise AssertionError("lossless encode on the device -> host path")
+        encodes.append(page.shape)
+        return real_encode(self, page)
+
+    def down(self, *a, **k):
+        in_down.append(True)
+        try:
+            return real_down(self, *a, **k)
+        finally:
+            in_down.pop()
+    monkeypatch.setattr(LosslessCodec, "encode", encode)
+    monkeypatch.setattr(transfer.Mover, "down", down)
+
+    s = Stack(tmp_path, codecs=("identity", "lossless"), num_pages=8, host_pages=2)
+    draft = s.groups[1]
+    prompts = _prompts(3, 3, seed=3)
+    for p in prompts:
+        s.run(p)
+    s.pool.evict(s.pool.num_cached)
+    s.tiers.host.settle()
+    st = s.tiers.stats()
+    assert st["d2h_pages"] == 9 and st["host_evictions"] == 7 and st["host_to_disk_pages"] == 7
+    assert len(encodes) == 7                         # one per page spilled, none on the way down
+    for h in s.tiers.host.lru():                     # the host keeps the draft group raw
+        e = s.tiers.host.get(h)
+        assert (e.headers[1].codec, e.sizes[1]) == ("identity", draft.bytes_per_page(PAGE))
+        raw = s.tiers.host.payload(e, 1).view(draft.dtype).view(draft.page_shape(PAGE))
+        assert torch.equal(raw, s.expected(h, draft))
+    assert s.tiers.drain_host() == 2 and len(encodes) == 9
+
+    codec = get_codec("lossless")
+    hashes = [h for p in prompts for h in page_hashes(s.ns, p)[:3]]
+    with s.disk.reader() as get:
+        for h in hashes:
+            rec = parse_record([bytes(x) for x in get(h)])
+            check_groups(rec, s.groups, s.tiers.codecs, PAGE)
+            check_payloads(rec)
+            g = rec.header["groups"][1]
+            assert g["codec"] == "lossless" and len(g["meta"]["planes"]) == 4   # fp32 planes
+            assert g["nbytes"] < draft.bytes_per_page(PAGE)  # compressed on disk
+            page = codec.decode(rec.encoded()[1])
+            assert torch.equal(page.view(torch.int32), s.expected(h, draft).view(torch.int32))
+
+    for p in prompts:                                # promoted from disk: bit-exact (run checks)
+        seq = s.run(p)
+        assert seq.cached_from["lower"] == 3
+    st = s.tiers.stats()
+    assert st["disk_to_host_pages"] >= 3 and st["checksum_failures"] == st["mismatches"] == 0
+    for h in s.tiers.host.lru():
+        assert s.tiers.host.get(h).headers[1].codec == "identity"
+    s.tiers.close()

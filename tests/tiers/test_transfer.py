@@ -165,3 +165,29 @@ def test_refused_page_flags_line_up_across_chunks(tmp_path, chunk):
     s.pool.kv["target"][3, 1, 1, 0, 2, 5] = float("inf")
     _, ev, refused = mover.down(s.ns.digest, infos, [0, 1, 2, 3, 4])
     assert ev is None and refused.reshape(5, -1).ne(0).any(dim=1).tolist() == [False] * 3 + [True, False]
+
+
+def test_lossless_group_moves_raw_like_identity(tmp_path, monkeypatch):
+    # A CPU-only lossless codec never runs between device and host: down is a gather into the
+    # staging rows (identity header, raw bytes), up an index_copy_ from them.
+    from kvstrata.codecs import LosslessCodec
+
+    def refuse(*a, **k):
+        raise AssertionError("the lossless codec ran between device and host")
+    monkeypatch.setattr(LosslessCodec, "encode", refuse)
+    monkeypatch.setattr(LosslessCodec, "decode", refuse)
+    s = Stack(tmp_path, num_pages=8, host_pages=8, disk=False, codecs=("nvfp4", "lossless"))
+    assert [c.name for c in s.tiers.mover.host_codecs] == ["nvfp4", "identity"]
+    assert s.tiers.host.max_sizes[1] == s.groups[1].bytes_per_page(PAGE)
+    tokens = list(range(5 * PAGE + 1))
+    s.run(tokens)
+    s.pool.evict(s.pool.num_cached)
+    hashes = page_hashes(s.ns, tokens)
+    for h in hashes:
+        hdr = s.tiers.host.get(h).headers[1]
+        assert (hdr.codec, hdr.version, hdr.shape, hdr.dtype) == (
+            "identity", 1, s.groups[1].page_shape(PAGE), "float32")
+    seq = s.run(tokens, check=False)
+    assert seq.cached_from["lower"] == 5
+    for i, pid in enumerate(seq.page_ids[:5]):
+        assert torch.equal(s.pool.kv["draft"][pid], s.expected(hashes[i], s.groups[1]))
