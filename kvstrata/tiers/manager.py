@@ -183,7 +183,18 @@ class TierManager:
         for k in range(0, len(todo), self.batch):
             chunk = todo[k:k + self.batch]
             slots, victims = self.host.take_slots(len(chunk))
+            if len(slots) < len(chunk):
+                # The other slots hold pages whose copies are still in flight (not evictable
+                # yet): let those land, then take LRU entries.
+                self.host.settle()
+                more, later = self.host.take_slots(len(chunk) - len(slots))
+                slots, victims = slots + more, victims + later
             self._spill(victims)
+            if len(slots) < len(chunk):       # a host smaller than a batch: count, never lose
+                self.counters["dropped_pages"] += len(chunk) - len(slots)
+                chunk = chunk[:len(slots)]
+                if not chunk:
+                    continue
             entries, ev, refused = self.mover.down(self.ns_digest, chunk, slots)
             self.host.add(entries, ev, refused)
             self.counters["d2h_pages"] += len(entries)

@@ -199,6 +199,8 @@ class Mover:
         n = len(infos)
         if n > self.batch_pages:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
+        if len(slots) != n:
+            raise ValueError(f"{n} pages but {len(slots)} host slots")
         p = self._down
         headers: list[list[EncodedPage]] = [[] for _ in range(n)]
         sizes: list[list[int]] = [[] for _ in range(n)]
