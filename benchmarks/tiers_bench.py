@@ -219,10 +219,12 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the markdown here too")
-    ap.add_argument("--batch", type=int, default=64, help="pages per transfer batch")
+    ap.add_argument("--batch", type=int, default=256,
+                    help="pages per transfer batch (TierManager's default)")
     ap.add_argument("--pages", type=int, default=None,
                     help="pages per timed call (default: one batch; more streams batches)")
-    ap.add_argument("--chunks", default="8,16",
+    ap.add_argument("--disk-batch", type=int, default=64, help="records per disk tier batch")
+    ap.add_argument("--chunks", default="8,26",
                     help="pipelined chunk sizes (pages) to time; the serialized variant (one "
                          "chunk per batch) is always timed too")
     ap.add_argument("--reps", type=int, default=20)
@@ -267,11 +269,12 @@ def main(argv=None) -> int:
         lines += ["", "Goals: identity >= 90% of the ceiling; NVFP4 bf16-equivalent >= 3.2x the raw "
                   "ceiling (exact = the pages read back equal the codec's own round trip).", ""]
     if not args.skip_disk:
-        d = bench_disk(args.disk_mb if not args.tiny else 8, args.tiny, args.disk_reps, args.batch)
+        d = bench_disk(args.disk_mb if not args.tiny else 8, args.tiny, args.disk_reps,
+                       args.disk_batch)
         lines += [f"### Disk tier on the CPU ({platform.processor() or platform.machine()}, "
                   f"{os.cpu_count()} cores)", "",
                   f"Conditions: {d['pages']} identity records of {d['page_bytes']} B pages "
-                  f"({d['nbytes'] / 2**20:.0f} MiB), batches of {args.batch} (one pwritev of the "
+                  f"({d['nbytes'] / 2**20:.0f} MiB), batches of {args.disk_batch} (one pwritev of the "
                   f"payloads to a segment file + one LMDB transaction of the heads), no fsync on "
                   f"either side, median of {args.disk_reps} runs, lmdb "
                   f"{'.'.join(map(str, __import__('lmdb').version()))}.", "",
