@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import types
 
 import torch
 
@@ -80,8 +81,8 @@ def main() -> None:
           int(((ac / torch.full_like(ac, 2688.0)).cpu() != a / 2688.0).sum()))
     if args.old:
         compare(load(args.old, "nvfp4_old"), "old")
-    from kvstrata.kernels import nvfp4
-    bad = compare(nvfp4, "new")
+    from kvstrata.kernels import nvfp4, nvfp4_triton
+    bad = compare(types.SimpleNamespace(**{**vars(nvfp4), **vars(nvfp4_triton)}), "new")
     print("new kernels bit-exact vs CPU reference:", bad == 0)
 
 

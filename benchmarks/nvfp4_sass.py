@@ -44,9 +44,11 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^
 
 def load_module(path: str | None):
     if path is None:
-        from kvstrata.kernels import nvfp4
-        return nvfp4
-    spec = importlib.util.spec_from_file_location("nvfp4_under_test", path)
+        from kvstrata.kernels import nvfp4_triton
+        return nvfp4_triton
+    # a module of the kvstrata.kernels package, so that its relative imports resolve
+    import kvstrata.kernels.nvfp4  # noqa: F401
+    spec = importlib.util.spec_from_file_location("kvstrata.kernels._nvfp4_under_test", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -168,7 +170,8 @@ DEC_PTRS = dict(in_ptr="*u8", inw_ptr="*i32", ids_ptr="*i64", out_ptr="*bf16")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--module", help="another kvstrata/kernels/nvfp4.py to analyse")
+    ap.add_argument("--module", help="another kvstrata/kernels/nvfp4_triton.py (or, before the "
+                    "split, nvfp4.py) to analyse")
     ap.add_argument("--only", choices=("encode", "decode"))
     ap.add_argument("--dump", help="write each variant's SASS into this folder")
     ap.add_argument("--hist", type=int, default=0, help="print the N most frequent opcodes")

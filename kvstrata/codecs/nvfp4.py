@@ -18,8 +18,8 @@ from typing import Any, Literal, Sequence
 import torch
 
 from ..dtypes import canonical_dtype, dtype_name
-from ..kernels.nvfp4 import (nvfp4_decode, nvfp4_decode_ref, nvfp4_encode, nvfp4_encode_ref,
-                             nvfp4_layout)
+from ..kernels.nvfp4 import nvfp4_decode_ref, nvfp4_encode_ref, nvfp4_layout
+from ..kernels.nvfp4_triton import nvfp4_decode, nvfp4_encode
 from .base import (Codec, CorruptPageError, EncodedPage, UnencodablePageError, crc32,
                    register_codec)
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstrata.kernels.nvfp4 import (E2M1_GRID, e2m1_code, e2m1_value, e4m3_round, e4m3_value,
-                                    nvfp4_decode, nvfp4_decode_ref, nvfp4_encode,
-                                    nvfp4_encode_ref, nvfp4_layout)
+                                    nvfp4_decode_ref, nvfp4_encode_ref, nvfp4_layout)
+from kvstrata.kernels.nvfp4_triton import nvfp4_decode, nvfp4_encode
 
 # Example counts scale with the hypothesis profile (ci: bounded; nightly: ~50x more).
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
