@@ -220,7 +220,8 @@ class Mover:
                                    sizes[k:k + m], (p, b))
                 if bad is not None:
                     refusals.append(bad)
-                if refusals and k + m == n:
+                flags = bool(refusals) and k + m == n   # last chunk: the batch's refusals travel
+                if flags:
                     # every chunk runs the same codecs: one refusal tensor per chunk
                     bad_dev = refusals[0] if len(refusals) == 1 else torch.cat(refusals)
                 encoded = _mark(p.work)
@@ -229,7 +230,7 @@ class Mover:
                     _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
                 with _on(p.copy):
                     self._rows_to_slots(stage, slots[k:k + m])
-                    if refusals and k + m == n:
+                    if flags:
                         # The flags travel with the last copy: read once `done` has completed.
                         refused = torch.empty(bad_dev.shape, dtype=bad_dev.dtype,
                                               pin_memory=self.cuda)
