@@ -49,7 +49,6 @@ import logging
 import mmap
 import os
 import struct
-import sys
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
@@ -70,30 +69,6 @@ DEFAULT_SEGMENT_BYTES = 256 << 20
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _SEGDIR = "segments"
 _SUFFIX = ".seg"
-
-
-def tune_malloc_for_large_values(max_value_bytes: int = 32 << 20) -> bool:
-    """Let glibc recycle large malloc'd buffers instead of mmapping fresh ones per buffer.
-
-    LMDB (without writemap) mallocs a dirty buffer per value larger than a page; at glibc's
-    default thresholds a multi-MiB buffer is a fresh ``mmap`` whose pages fault on first touch.
-    Payloads no longer go through LMDB, so :class:`DiskTier` does not call this by default any
-    more (``tune_malloc=True`` still does). Process-wide, glibc only. Returns whether it applied.
-    """
-    import ctypes
-    import ctypes.util
-    name = ctypes.util.find_library("c")
-    if not name or sys.platform != "linux":
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-        ok = libc.mallopt(M_MMAP_THRESHOLD, max_value_bytes)
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, 8 * max_value_bytes)
-        ok &= libc.mallopt(M_TOP_PAD, 2 * max_value_bytes)
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
 
 
 def _loc(v) -> tuple[int, int, tuple[int, ...]] | None:
@@ -144,8 +119,6 @@ class DiskTier:
         sync: fsync payloads before, and LMDB at, every commit (survives power loss). Off by
             default: a cache may lose its newest pages on an OS crash, and records are
             checksummed, so nothing wrong is served.
-        tune_malloc: call :func:`tune_malloc_for_large_values` when opening for writing (no
-            longer needed: LMDB values are small now).
         segment_bytes: a segment is sealed once it reaches this size (a batch is never split, so a
             segment may exceed it by one batch). Default: ``capacity / 8`` clamped to
             [1 MiB, 256 MiB].
@@ -156,7 +129,7 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike, map_size: int = 1 << 30,
                  capacity_bytes: int | None = None, readonly: bool = False, sync: bool = False,
-                 tune_malloc: bool = False, segment_bytes: int | None = None,
+                 segment_bytes: int | None = None,
                  reclaim_slack: int | None = None):
         if not isinstance(map_size, int) or map_size < (1 << 16):
             raise ValueError(f"map_size must be at least 64 KiB, got {map_size!r}")
@@ -194,8 +167,6 @@ class DiskTier:
                 self._lock.close()
                 raise ValueError(f"{self.path!r} is open for writing by another DiskTier (one "
                                  f"writer at a time; open it with readonly=True)") from None
-            if tune_malloc:
-                tune_malloc_for_large_values()
         try:
             self.env = lmdb.open(self.path, map_size=map_size, subdir=True, readonly=readonly,
                                  max_dbs=8, max_readers=256, sync=sync, metasync=sync,
