@@ -129,7 +129,7 @@ def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
                 "" if asm is None else f" asm={int(asm)}")
             out.append((label, cfg, nw, elems))
     if has_asm and "persistent" in mod.nvfp4_encode.__kwdefaults__:  # grid-stride slab loop
-        for nw, st in ((4, 1), (4, 2), (8, 2)):
+        for nw, st in ((4, 1), (8, 1), (4, 2), (8, 2)):
             cfg = mod._encode_config(torch.bfloat16, S, R, D, None, has_ids=False, words=True,
                                      asm=True, persistent=4, stages=st)
             out.append((f"encode block_r=slab warps={nw} asm=1 persistent stages={st}", cfg, nw,

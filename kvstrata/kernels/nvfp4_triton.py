@@ -150,19 +150,25 @@ def _load_half(slab, base, mask, H: tl.constexpr, KIND: tl.constexpr, ASM: tl.co
                        w4.to(tl.float32, bitcast=True), w5.to(tl.float32, bitcast=True),
                        w6.to(tl.float32, bitcast=True), w7.to(tl.float32, bitcast=True)))
     else:
-        w0, w1, w2, w3 = _split4(_load_words(slab + base[:, :, None] + 4 * H + ar, mask, EVEN))
-        # byte 1 / byte 3 of a word: the sign bytes of its elements 2i / 2i + 1
-        neg = _neg_nibbles(_prmt(w0, w1, 0x7531, ASM), _prmt(w2, w3, 0x7531, ASM), ASM)
-        x0, x1 = _widen(w0, 0, KIND), _widen(w0, 1, KIND)
-        x2, x3 = _widen(w1, 0, KIND), _widen(w1, 1, KIND)
-        x4, x5 = _widen(w2, 0, KIND), _widen(w2, 1, KIND)
-        x6, x7 = _widen(w3, 0, KIND), _widen(w3, 1, KIND)
-        if KIND == 1:  # |bf16| orders as its bits: a packed max of the words' halves
-            hm = _umax16x2(_umax16x2(w0 & 0x7FFF7FFF, w1 & 0x7FFF7FFF, ASM),
-                           _umax16x2(w2 & 0x7FFF7FFF, w3 & 0x7FFF7FFF, ASM), ASM)
-        else:
-            hm = _amax8(x0, x1, x2, x3, x4, x5, x6, x7)
-        return x0, x1, x2, x3, x4, x5, x6, x7, neg, hm
+        return _half16(_load_words(slab + base[:, :, None] + 4 * H + ar, mask, EVEN), KIND, ASM)
+
+
+@triton.jit
+def _half16(w, KIND: tl.constexpr, ASM: tl.constexpr):
+    """16-bit kinds: ``_load_half``'s results from the half's loaded words ``w`` [R, B, 4]."""
+    w0, w1, w2, w3 = _split4(w)
+    # byte 1 / byte 3 of a word: the sign bytes of its elements 2i / 2i + 1
+    neg = _neg_nibbles(_prmt(w0, w1, 0x7531, ASM), _prmt(w2, w3, 0x7531, ASM), ASM)
+    x0, x1 = _widen(w0, 0, KIND), _widen(w0, 1, KIND)
+    x2, x3 = _widen(w1, 0, KIND), _widen(w1, 1, KIND)
+    x4, x5 = _widen(w2, 0, KIND), _widen(w2, 1, KIND)
+    x6, x7 = _widen(w3, 0, KIND), _widen(w3, 1, KIND)
+    if KIND == 1:  # |bf16| orders as its bits: a packed max of the words' halves
+        hm = _umax16x2(_umax16x2(w0 & 0x7FFF7FFF, w1 & 0x7FFF7FFF, ASM),
+                       _umax16x2(w2 & 0x7FFF7FFF, w3 & 0x7FFF7FFF, ASM), ASM)
+    else:
+        hm = _amax8(x0, x1, x2, x3, x4, x5, x6, x7)
+    return x0, x1, x2, x3, x4, x5, x6, x7, neg, hm
 
 
 @triton.jit
@@ -196,6 +202,25 @@ def _load_tile(slab, rr, bb, R, D: tl.constexpr, KIND: tl.constexpr, ASM: tl.con
     base = rr[:, None] * (D // EPW) + bb[None, :] * (16 // EPW)
     a0, a1, a2, a3, a4, a5, a6, a7, na, ha = _load_half(slab, base, mask, 0, KIND, ASM, EVEN)
     b0, b1, b2, b3, b4, b5, b6, b7, nb, hb = _load_half(slab, base, mask, 1, KIND, ASM, EVEN)
+    return (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+            _block_max(ha, hb, KIND, ASM))
+
+
+@triton.jit
+def _slab_words(x_ptr, page, s, page_stride, rr, bb, R, D: tl.constexpr, EVEN: tl.constexpr):
+    """16-bit kinds: the raw int32 words of a whole slab, ``(half 0, half 1)`` of every block as
+    two [R, B, 4] tensors (the prefetch buffer of the persistent encoder)."""
+    slab = x_ptr + (page * page_stride + s * R * D) // 2
+    mask = (rr < R)[:, None] & (bb < D // 16)[None, :]
+    p = slab + (rr[:, None] * (D // 2) + bb[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
+    return _load_words(p, mask, EVEN), _load_words(p + 4, mask, EVEN)
+
+
+@triton.jit
+def _tile16(wa, wb, KIND: tl.constexpr, ASM: tl.constexpr):
+    """``_load_tile``'s results from a 16-bit slab's words (see ``_slab_words``)."""
+    a0, a1, a2, a3, a4, a5, a6, a7, na, ha = _half16(wa, KIND, ASM)
+    b0, b1, b2, b3, b4, b5, b6, b7, nb, hb = _half16(wb, KIND, ASM)
     return (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
             _block_max(ha, hb, KIND, ASM))
 
@@ -268,10 +293,26 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, p
                          BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
                          HAS_IDS: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
                          ASM: tl.constexpr, EVEN: tl.constexpr, PERSIST: tl.constexpr,
-                         STAGES: tl.constexpr):
-    # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs,
-    # software-pipelined over STAGES stages.
-    if PERSIST:
+                         STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs: PREFETCH
+    # (16-bit slabs held in registers) loads the next slab's words before it encodes the current
+    # one, so every program keeps a slab's loads in flight while it computes; otherwise the loop
+    # is software-pipelined over STAGES stages.
+    if PERSIST and PREFETCH:
+        rows = tl.arange(0, BLOCK_R)
+        bb = tl.arange(0, NBP)
+        step = tl.num_programs(0)
+        m, s, page = _slab_page(tl.program_id(0), ids_ptr, S, HAS_IDS)
+        wa, wb = _slab_words(x_ptr, page, s, page_stride, rows, bb, R, D, EVEN)
+        for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
+            # the last step reloads its own slab (cached) rather than masking the loads
+            m2, s2, page2 = _slab_page(tl.minimum(i + step, n_slabs - 1), ids_ptr, S, HAS_IDS)
+            wa2, wb2 = _slab_words(x_ptr, page2, s2, page_stride, rows, bb, R, D, EVEN)
+            _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
+                           bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
+                           EVEN)
+            m, s, wa, wb = m2, s2, wa2, wb2
+    elif PERSIST:
         for pid in tl.range(tl.program_id(0), n_slabs, tl.num_programs(0), num_stages=STAGES):
             _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
                          out_stride, out_stride_w, S, R, D, BLOCK_R, NBP, ONE_PASS, HAS_IDS,
@@ -294,6 +335,34 @@ def _slab_page(ms, ids_ptr, S: tl.constexpr, HAS_IDS: tl.constexpr):
 
 
 @triton.jit
+def _slab_scale(amax, m, s, out_ptr, bad_ptr, out_stride, S: tl.constexpr):
+    """Store the slab's flag and scale ``g``; returns ``(k, gi)`` for ``_block_scale``."""
+    g = tl.div_rn(amax, 2688.0)
+    g = tl.where(g >= 2.407412430484045e-35, g, 0.0)  # MIN_GLOBAL_SCALE = 2**-115; NaN -> 0
+    gi = tl.where(g > 0.0, tl.div_rn(1.0, tl.where(g > 0.0, g, 1.0)), 0.0)
+    k = gi * 0.1666666716337204  # RN(1/6): bmax * k ~ bmax / (6 g)
+    bad = (amax != amax) | (amax >= 1.7014118346046923e38)
+    tl.store(bad_ptr + m * S + s, bad.to(tl.int32))
+    gbits = g.to(tl.int32, bitcast=True)
+    for j in tl.static_range(4):
+        tl.store(out_ptr + m * out_stride + s * 4 + j, ((gbits >> (8 * j)) & 0xFF).to(tl.uint8))
+    return k, gi
+
+
+@triton.jit
+def _encode_loaded(t, m, s, rows, bb, out_ptr, outw_ptr, bad_ptr, rtab_ptr, out_stride,
+                   out_stride_w, S: tl.constexpr, R, D: tl.constexpr, WORDS: tl.constexpr,
+                   ASM: tl.constexpr, EVEN: tl.constexpr):
+    """Encode a whole slab held in registers (``t``: ``_load_tile``'s results)."""
+    (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb, bmax) = t
+    k, gi = _slab_scale(tl.reduce(tl.reduce(bmax, 1, _max_nan), 0, _max_nan), m, s, out_ptr,
+                        bad_ptr, out_stride, S)
+    _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
+                  bmax, k, gi, rtab_ptr, out_ptr, outw_ptr, m, s, rows, bb, out_stride,
+                  out_stride_w, S, R, D, WORDS, ASM, EVEN)
+
+
+@triton.jit
 def _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
                  out_stride, out_stride_w, S: tl.constexpr, R, D: tl.constexpr,
                  BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -307,29 +376,16 @@ def _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page
     rows = tl.arange(0, BLOCK_R)
     bb = tl.arange(0, NBP)
     if ONE_PASS:
-        (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
-         bmax) = _load_tile(slab, rows, bb, R, D, KIND, ASM, EVEN)
-        amax = tl.reduce(tl.reduce(bmax, 1, _max_nan), 0, _max_nan)
+        _encode_loaded(_load_tile(slab, rows, bb, R, D, KIND, ASM, EVEN), m, s, rows, bb,
+                       out_ptr, outw_ptr, bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D,
+                       WORDS, ASM, EVEN)
     else:
         acc = tl.zeros((BLOCK_R, NBP), dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
             t = _load_tile(slab, (r0 + rows).to(tl.int64), bb, R, D, KIND, ASM, EVEN)
             acc = _max_nan(acc, t[18])
-        amax = tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan)
-    g = tl.div_rn(amax, 2688.0)
-    g = tl.where(g >= 2.407412430484045e-35, g, 0.0)  # MIN_GLOBAL_SCALE = 2**-115; NaN -> 0
-    gi = tl.where(g > 0.0, tl.div_rn(1.0, tl.where(g > 0.0, g, 1.0)), 0.0)
-    k = gi * 0.1666666716337204  # RN(1/6): bmax * k ~ bmax / (6 g)
-    bad = (amax != amax) | (amax >= 1.7014118346046923e38)
-    tl.store(bad_ptr + m * S + s, bad.to(tl.int32))
-    gbits = g.to(tl.int32, bitcast=True)
-    for j in tl.static_range(4):
-        tl.store(out_ptr + m * out_stride + s * 4 + j, ((gbits >> (8 * j)) & 0xFF).to(tl.uint8))
-    if ONE_PASS:
-        _encode_store(a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
-                      bmax, k, gi, rtab_ptr, out_ptr, outw_ptr, m, s, rows, bb, out_stride,
-                      out_stride_w, S, R, D, WORDS, ASM, EVEN)
-    else:
+        k, gi = _slab_scale(tl.reduce(tl.reduce(acc, 1, _max_nan), 0, _max_nan), m, s,
+                            out_ptr, bad_ptr, out_stride, S)
         for r0 in range(0, R, BLOCK_R):
             rr = (r0 + rows).to(tl.int64)
             (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
@@ -578,9 +634,12 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
         block_r = max(1, min(full, ONE_PASS_ELEMS // (16 * nbp)))
     one_pass = block_r >= r
     br = full if one_pass else block_r
+    # the persistent loop prefetches the next slab into registers when a 16-bit slab is held
+    # there whole (stages <= 1); otherwise Triton's software pipeliner runs it over `stages`
+    prefetch = persistent > 0 and one_pass and dtype != torch.float32 and stages <= 1
     return dict(S=s, D=d, BLOCK_R=br, NBP=nbp, ONE_PASS=one_pass, HAS_IDS=has_ids,
                 KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16,
-                PERSIST=persistent > 0, STAGES=stages)
+                PERSIST=persistent > 0, STAGES=stages, PREFETCH=prefetch)
 
 
 @functools.lru_cache(maxsize=256)
@@ -613,7 +672,8 @@ def _num_sms(device: torch.device) -> int:
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
                  num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
-                 stages: int = 1, raw_flags: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 stages: int = 1, maxnreg: int | None = None, raw_flags: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
@@ -624,8 +684,11 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
     laid out like host slots). asm: use inline PTX (byte permutes, hardware E4M3 conversion);
     ``None`` = when the device allows it (CUDA sm_89+, not the interpreter); the bytes are the
-    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs
-    (software-pipelined over ``stages`` stages when > 1); 0 (default) = one program per slab.
+    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs;
+    with ``stages <= 1`` a bf16/fp16 slab held whole in registers has the next slab's loads
+    issued before its own encode (register prefetch), else the loop is software-pipelined over
+    ``stages`` stages; 0 (default) = one program per slab. maxnreg: cap the registers per
+    thread (more programs per SM; ptxas spills past what the kernel needs).
     Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
     nothing here waits for the device (``ok`` is a device tensor). raw_flags: return the kernel's
     per-slab flags ``[M, 2 * num_layers]`` int32 (nonzero = not encodable) instead of ``ok``,
@@ -649,7 +712,8 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         _nvfp4_encode_kernel[(grid,)](
             pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
             bad, _rcp_table(pages.device), pages.stride(0), out.stride(0), out.stride(0) // 8,
-            m * s, R=r, num_warps=num_warps, **cfg)
+            m * s, R=r, num_warps=num_warps, **cfg,
+            **({} if maxnreg is None else dict(maxnreg=maxnreg)))
     if raw_flags or not m:
         return out, bad if raw_flags else torch.ones(0, dtype=torch.bool, device=pages.device)
     return out, bad.amax(dim=1) == 0

@@ -122,12 +122,29 @@ def test_decode_lanes_and_persistent_match_reference(block_r, persistent, stages
 
 @pytest.mark.parametrize("block_r,stages", [(None, 1), (None, 2), (4, 2)])
 def test_encode_persistent_matches_reference(block_r, stages):
-    # a grid-stride loop over slabs (fewer programs than slabs), pipelined or not
+    # a grid-stride loop over slabs (fewer programs than slabs): register prefetch of the next
+    # slab (one pass, stages 1), Triton's software pipeline, or tiles
     x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=12)
     a, fa = nvfp4_encode_ref(x)
     b, fb = nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False, persistent=1,
                          stages=stages)
     assert torch.equal(a, b) and torch.equal(fa, fb)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [3, 4])   # 2 heads x 3 tokens: padded rows (masked loads)
+def test_encode_prefetch_loop_ids_and_flags(dtype, rows):
+    # The prefetching loop over slabs in a pool order (page_ids), with a bad slab in the middle:
+    # 2 programs, 30 slabs (an uneven split: the last program's final step reloads its slab).
+    x = _special_pages(dtype, "wide", shape=(6, 3, 2, 2, rows, 32), seed=13)
+    x[2, 1, 0, 1, 0, 5] = float("nan")
+    ids = torch.tensor([4, 2, 0, 5, 1])
+    a, fa = nvfp4_encode_ref(x[ids])
+    assert fa.tolist() == [True, False, True, True, True]
+    b, fb = nvfp4_encode(x, ids, num_warps=1, asm=False, persistent=1)
+    assert torch.equal(fb, fa)
+    ok = fa.nonzero().flatten()
+    assert torch.equal(a[ok], b[ok])
 
 
 def test_encode_tiles_and_asm_switch():
