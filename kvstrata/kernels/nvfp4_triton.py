@@ -298,20 +298,34 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, p
     # (16-bit slabs held in registers) loads the next slab's words before it encodes the current
     # one, so every program keeps a slab's loads in flight while it computes; otherwise the loop
     # is software-pipelined over STAGES stages.
-    if PERSIST and PREFETCH:
+    if PERSIST and PREFETCH > 0:
         rows = tl.arange(0, BLOCK_R)
         bb = tl.arange(0, NBP)
         step = tl.num_programs(0)
+        last = n_slabs - 1
         m, s, page = _slab_page(tl.program_id(0), ids_ptr, S, HAS_IDS)
         wa, wb = _slab_words(x_ptr, page, s, page_stride, rows, bb, R, D, EVEN)
-        for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
-            # the last step reloads its own slab (cached) rather than masking the loads
-            m2, s2, page2 = _slab_page(tl.minimum(i + step, n_slabs - 1), ids_ptr, S, HAS_IDS)
-            wa2, wb2 = _slab_words(x_ptr, page2, s2, page_stride, rows, bb, R, D, EVEN)
-            _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
-                           bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
-                           EVEN)
-            m, s, wa, wb = m2, s2, wa2, wb2
+        if PREFETCH == 1:
+            for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
+                # the last steps reload a slab (cached) rather than masking the loads
+                m1, s1, page1 = _slab_page(tl.minimum(i + step, last), ids_ptr, S, HAS_IDS)
+                wa1, wb1 = _slab_words(x_ptr, page1, s1, page_stride, rows, bb, R, D, EVEN)
+                _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
+                               bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
+                               EVEN)
+                m, s, wa, wb = m1, s1, wa1, wb1
+        else:
+            m1, s1, page1 = _slab_page(tl.minimum(tl.program_id(0) + step, last), ids_ptr, S,
+                                       HAS_IDS)
+            wa1, wb1 = _slab_words(x_ptr, page1, s1, page_stride, rows, bb, R, D, EVEN)
+            for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
+                m2, s2, page2 = _slab_page(tl.minimum(i + 2 * step, last), ids_ptr, S, HAS_IDS)
+                wa2, wb2 = _slab_words(x_ptr, page2, s2, page_stride, rows, bb, R, D, EVEN)
+                _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
+                               bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
+                               EVEN)
+                m, s, wa, wb = m1, s1, wa1, wb1
+                m1, s1, wa1, wb1 = m2, s2, wa2, wb2
     elif PERSIST:
         for pid in tl.range(tl.program_id(0), n_slabs, tl.num_programs(0), num_stages=STAGES):
             _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
@@ -626,7 +640,7 @@ def _asm_ok(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=256)   # pure; cached because the tiers launch it per chunk
 def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | None, *,
                    has_ids: bool, words: bool, asm: bool, persistent: int = 0,
-                   stages: int = 1) -> dict:
+                   stages: int = 1, prefetch: int = 1) -> dict:
     """The encode kernel's constexprs (also used by ``benchmarks/nvfp4_sass.py``)."""
     nbp = triton.next_power_of_2(d // 16)
     full = triton.next_power_of_2(r)
@@ -636,7 +650,8 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
     br = full if one_pass else block_r
     # the persistent loop prefetches the next slab into registers when a 16-bit slab is held
     # there whole (stages <= 1); otherwise Triton's software pipeliner runs it over `stages`
-    prefetch = persistent > 0 and one_pass and dtype != torch.float32 and stages <= 1
+    prefetch = (max(1, prefetch) if persistent > 0 and one_pass and dtype != torch.float32
+                and stages <= 1 else 0)
     return dict(S=s, D=d, BLOCK_R=br, NBP=nbp, ONE_PASS=one_pass, HAS_IDS=has_ids,
                 KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16,
                 PERSIST=persistent > 0, STAGES=stages, PREFETCH=prefetch)
@@ -672,7 +687,8 @@ def _num_sms(device: torch.device) -> int:
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
                  num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
-                 stages: int = 1, maxnreg: int | None = None, raw_flags: bool = False
+                 stages: int = 1, prefetch: int = 1, maxnreg: int | None = None,
+                 raw_flags: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
@@ -707,7 +723,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         cfg = _encode_config(pages.dtype, s, r, d, block_r, has_ids=page_ids is not None,
                              words=words is not None,
                              asm=_asm_ok(pages.device) if asm is None else asm,
-                             persistent=persistent, stages=stages)
+                             persistent=persistent, stages=stages, prefetch=prefetch)
         grid = min(m * s, persistent * _num_sms(pages.device)) if persistent else m * s
         _nvfp4_encode_kernel[(grid,)](
             pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
