@@ -128,6 +128,11 @@ def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
             label = f"encode block_r={block_r or 'slab'} warps={nw}" + (
                 "" if asm is None else f" asm={int(asm)}")
             out.append((label, cfg, nw, elems))
+    if hasattr(mod, "_encode_lanes_config"):  # a thread per half block
+        for nw in (2, 4, 8):
+            cfg = mod._encode_lanes_config(torch.bfloat16, S, R, D, has_ids=False, words=True,
+                                           asm=True)
+            out.append((f"encode lanes warps={nw} asm=1", cfg, nw, R * D))
     if has_asm and "persistent" in mod.nvfp4_encode.__kwdefaults__:  # grid-stride slab loop
         for nw, st in ((4, 1), (8, 1), (4, 2), (8, 2)):
             cfg = mod._encode_config(torch.bfloat16, S, R, D, None, has_ids=False, words=True,
@@ -179,7 +184,9 @@ def main() -> None:
     mod = load_module(args.module)
     jobs = []
     if args.only != "decode":
-        jobs += [(lbl, mod._nvfp4_encode_kernel, ENC_PTRS, cfg, nw, el)
+        jobs += [(lbl, mod._nvfp4_encode_lanes_kernel, dict(ENC_PTRS, outw_ptr="*i32"), cfg,
+                  nw, el) if "lanes" in lbl else (lbl, mod._nvfp4_encode_kernel, ENC_PTRS, cfg,
+                                                  nw, el)
                  for lbl, cfg, nw, el in encode_variants(mod)]
     if args.only != "encode":
         jobs += [(lbl, mod._nvfp4_decode_lanes_kernel if "lanes" in lbl

@@ -410,6 +410,59 @@ def _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page
 
 
 @triton.jit
+def _nvfp4_encode_lanes_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr,
+                               page_stride, out_stride, out_stride_w, S: tl.constexpr, R,
+                               D: tl.constexpr, NBLK: tl.constexpr, HAS_IDS: tl.constexpr,
+                               KIND: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
+                               EVEN: tl.constexpr):
+    # ``lanes`` encode (16-bit pages, a slab held whole in registers): a program per slab, a
+    # thread per *half* block (8 elements, one 16-byte load). Neighbouring lanes hold the two
+    # halves of a block, so every warp-wide load reads 512 contiguous bytes (the one-thread-per-
+    # block layout reads each 32-byte sector with two instructions, which doubles the L1/L2
+    # requests) and every warp-wide store writes 128 contiguous bytes of codes; the block
+    # maximum is one butterfly shuffle between the two lanes.
+    m, s, page = _slab_page(tl.program_id(0), ids_ptr, S, HAS_IDS)
+    NB: tl.constexpr = D // 16
+    slab = x_ptr + (page * page_stride + s * R * D) // 2
+    # q: half-block index (4 words each; blocks r * NB + b are contiguous in a slab). A 1-D
+    # index keeps consecutive halves in consecutive lanes; [NBLK, 2] views pair them per block.
+    q = tl.arange(0, 2 * NBLK)
+    p = slab + q[:, None] * 4 + tl.arange(0, 4)[None, :]
+    if EVEN:
+        w = tl.load(p)
+        qmask = None
+    else:
+        qmask = q < 2 * R * NB
+        w = tl.load(p, mask=qmask[:, None], other=0)
+    x0, x1, x2, x3, x4, x5, x6, x7, neg, hm = _half16(tl.reshape(w, (2 * NBLK, 1, 4)), KIND,
+                                                      ASM)
+    if KIND == 1:  # the half's packed 16-bit maxima -> fp32 max |x| (NaN bits order above Inf)
+        hm = tl.maximum(hm << 16, hm & -0x10000).to(tl.float32, bitcast=True)
+    bmax = tl.reduce(tl.reshape(hm, (NBLK, 2)), 1, _max_nan)  # the block's two lanes
+    k, gi = _slab_scale(tl.reduce(bmax, 0, _max_nan), m, s, out_ptr, bad_ptr, out_stride, S)
+    # both lanes of a block compute its scale: cheaper than moving it between layouts
+    bmax = tl.reshape(tl.broadcast_to(bmax[:, None], (NBLK, 2)), (2 * NBLK,))
+    bcode, rcp = _block_scale(bmax, k, gi, rtab_ptr, ASM)
+    cw = tl.reshape(_pack8(x0, x1, x2, x3, x4, x5, x6, x7, neg, rcp[:, None]),
+                    (2 * NBLK,))
+    # one word per lane in the stores: a wider per-thread store (the 8 bytes of a block) would
+    # first move the codes between lanes through shared memory
+    qs = tl.max_contiguous(q, [1])
+    if WORDS:  # int32 view: the codes start after the S fp32 slab scales
+        tl.store(outw_ptr + m * out_stride_w + S + s * R * (D // 8) + qs, cw, mask=qmask)
+    else:
+        cbase = out_ptr + m * out_stride + 4 * S + s * R * (D // 2) + qs * 4
+        for j in tl.static_range(4):
+            tl.store(cbase + j, ((cw >> (8 * j)) & 0xFF).to(tl.uint8), mask=qmask)
+    # the block's E4M3 code, from its even lane
+    smask = (q % 2) == 0
+    if not EVEN:
+        smask = smask & qmask
+    tl.store(out_ptr + m * out_stride + 4 * S + S * R * (D // 2) + s * R * NB + qs // 2,
+             bcode.to(tl.uint8), mask=smask)
+
+
+@triton.jit
 def _e2m1_unpack8(w, bs, g):
     """w [A, B, C] int32 of 8 nibbles, bs [A, B, C] E4M3 values, g -> [A, B, C, 8] fp32."""
     j4 = 4 * tl.arange(0, 8)[None, None, None, :]
@@ -658,6 +711,15 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
 
 
 @functools.lru_cache(maxsize=256)
+def _encode_lanes_config(dtype: torch.dtype, s: int, r: int, d: int, *, has_ids: bool,
+                         words: bool, asm: bool) -> dict:
+    """The ``lanes`` encode kernel's constexprs (also used by ``benchmarks/nvfp4_sass.py``)."""
+    nblk = triton.next_power_of_2(r * (d // 16))
+    return dict(S=s, D=d, NBLK=nblk, HAS_IDS=has_ids, KIND=_KIND[dtype], WORDS=words, ASM=asm,
+                EVEN=nblk == r * (d // 16))
+
+
+@functools.lru_cache(maxsize=256)
 def _decode_config(s: int, r: int, d: int, block_r: int, words_per_thread: int, flat: bool, *,
                    has_ids: bool, out_kind: int, words: bool) -> tuple[dict, int]:
     """The decode kernel's constexprs and its number of tiles per slab."""
@@ -688,7 +750,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
                  num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
                  stages: int = 1, prefetch: int = 1, maxnreg: int | None = None,
-                 raw_flags: bool = False
+                 lanes: bool | None = None, raw_flags: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
@@ -704,7 +766,10 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     with ``stages <= 1`` a bf16/fp16 slab held whole in registers has the next slab's loads
     issued before its own encode (register prefetch), else the loop is software-pipelined over
     ``stages`` stages; 0 (default) = one program per slab. maxnreg: cap the registers per
-    thread (more programs per SM; ptxas spills past what the kernel needs).
+    thread (more programs per SM; ptxas spills past what the kernel needs). lanes: a thread
+    per half block (see ``_nvfp4_encode_lanes_kernel``); ``None`` (default) = for bf16/fp16
+    slabs of at most ``ONE_PASS_ELEMS`` elements when neither ``block_r`` nor ``persistent``
+    asks for another variant.
     Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
     nothing here waits for the device (``ok`` is a device tensor). raw_flags: return the kernel's
     per-slab flags ``[M, 2 * num_layers]`` int32 (nonzero = not encodable) instead of ``ok``,
@@ -718,7 +783,19 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         _check_rows(out, m, total, pages.device, "out")
     # every slab's program writes its flag (no rows: nothing to flag)
     bad = (torch.empty if r else torch.zeros)(m, s, dtype=torch.int32, device=pages.device)
-    if m and r:
+    if lanes is None:
+        lanes = block_r is None and not persistent
+    lanes = lanes and pages.dtype != torch.float32 and r * d <= ONE_PASS_ELEMS
+    if m and r and lanes:
+        words = _words(out, 4)
+        _nvfp4_encode_lanes_kernel[(m * s,)](
+            pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
+            bad, _rcp_table(pages.device), pages.stride(0), out.stride(0), out.stride(0) // 4,
+            **_encode_lanes_config(pages.dtype, s, r, d, has_ids=page_ids is not None,
+                                   words=words is not None,
+                                   asm=_asm_ok(pages.device) if asm is None else asm),
+            R=r, num_warps=num_warps, **({} if maxnreg is None else dict(maxnreg=maxnreg)))
+    elif m and r:
         words = _words(out, 8)
         cfg = _encode_config(pages.dtype, s, r, d, block_r, has_ids=page_ids is not None,
                              words=words is not None,
