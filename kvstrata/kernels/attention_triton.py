@@ -281,7 +281,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     tokens per tile; ``FUSED_REDUCE``: split-KV merges its partials in the same launch (the last
     split program of each (sequence, q block, KV head) merges) instead of a second kernel;
     ``RED_CHUNK``: splits merged per step by that program; ``SPLIT_LOOP``: run the KV tiles
-    that every query row sees whole without masks (causal/no-window), masking only the tail.
+    that every query row sees whole without masks (causal/no-window), masking only the tail;
+    ``maxnreg`` (optional): cap the registers per thread (more programs per SM).
     """
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
@@ -398,7 +399,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
         _reduce_splits_kernel[(T, hq)](
             part_o, part_lse, out, splits,
