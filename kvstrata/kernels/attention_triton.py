@@ -249,27 +249,39 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qb
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits,
+def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_heads,
                           s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr):
-    """Merge split partials: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)."""
+                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr):
+    """Merge split partials of ``HEADS`` query heads of one token:
+    out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max). Several heads per program keep
+    the grid small: with one (token, head) per program, verify's 4096-program merge (8 x 1k,
+    16 tokens, 4 splits) spent 12.9 us launching programs."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = h < num_heads
+    h = h.to(tl.int64)
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = sp < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + sp.to(tl.int64) * s_pls + t * s_plt + h, mask=sp_ok,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
+    lse = tl.load(part_lse_ptr + sp.to(tl.int64)[None, :] * s_pls + t * s_plt + h[:, None],
+                  mask=h_ok[:, None] & sp_ok[None, :], other=float("-inf"))
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(part_o_ptr + sp.to(tl.int64)[:, None] * s_pos + t * s_pot + h * s_poh
-                + d[None, :], mask=sp_ok[:, None] & d_ok[None, :] & (w[:, None] > 0), other=0.0)
-    den = tl.sum(w, 0)
-    res = tl.sum(o * w[:, None], 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + t * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+    w = tl.exp2(lse - m[:, None])  # [HEADS, SPLITS_PAD]
+    o = tl.load(part_o_ptr + sp.to(tl.int64)[None, :, None] * s_pos + t * s_pot
+                + h[:, None, None] * s_poh + d[None, None, :],
+                mask=(h_ok[:, None] & sp_ok[None, :] & (w > 0))[:, :, None] & d_ok[None, None, :],
+                other=0.0)
+    den = tl.sum(w, 1)
+    res = tl.sum(o * w[:, :, None], 1) / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + t * s_ot + h[:, None] * s_oh + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+#: Partial-output elements one merge program holds (heads x splits x head_dim).
+REDUCE_TILE = 4096
 
 
 def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0
@@ -402,11 +414,15 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
-        _reduce_splits_kernel[(T, hq)](
-            part_o, part_lse, out, splits,
+        splits_pad = max(2, triton.next_power_of_2(splits))
+        heads = max(1, min(triton.next_power_of_2(hq),
+                           REDUCE_TILE // (splits_pad * cfg["BLOCK_D"])))
+        heads = 1 << (heads.bit_length() - 1)  # a power of two
+        _reduce_splits_kernel[(T, triton.cdiv(hq, heads))](
+            part_o, part_lse, out, splits, hq,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads,
             num_warps=4)
     return out
 
