@@ -20,6 +20,7 @@ Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 e
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -284,8 +285,8 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
 REDUCE_TILE = 4096
 
 
-def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0
-                  ) -> dict:
+def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0,
+                  programs: int = 0, num_sms: int = 132) -> dict:
     """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
     any of them; ``benchmarks/attention_bench.py --sweep-cases`` measures the alternatives).
 
@@ -295,6 +296,7 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     ``RED_CHUNK``: splits merged per step by that program; ``SPLIT_LOOP``: run the KV tiles
     that every query row sees whole without masks (causal/no-window), masking only the tail;
     ``maxnreg`` (optional): cap the registers per thread (more programs per SM).
+    ``programs``: the launch's grid size (0 = unknown), against ``num_sms``.
     """
     group_pad = triton.next_power_of_2(group)
     block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
@@ -305,14 +307,31 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
     # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
     # reduce lost everywhere (its merging program walks the rows serially), so it stays off.
+    # 64 query rows (verify-16, prefill) hold a 64 x 128 fp32 accumulator: 147 registers and 3
+    # programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k unsplit,
+    # 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs 61.9 with 32);
+    # several waves run best on 32-token tiles capped at 128 registers, 4 programs per SM
+    # (128 x 1k: 157.3 us vs 184.9 uncapped; 8 x 8k with 4 programs per SM: tie).
     block_m = block_q * group_pad
-    if block_m >= 64 or block_d > 128:
+    maxnreg = None
+    if block_d > 128:
         block_n = 32
+    elif block_m >= 64:
+        block_n = 64 if 0 < programs <= 2 * num_sms else 32
+        if programs > 4 * num_sms:
+            maxnreg = 128
     else:
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True)
+                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 #: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
@@ -358,10 +377,14 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split)
+    base = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split)
+    blk_q = (config or {}).get("BLOCK_Q", base["BLOCK_Q"])
+    num_q_blocks = math.ceil(max(meta.max_query_len, 1) / blk_q)
+    cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split,
+                        programs=meta.num_seqs * num_q_blocks * hkv * meta.num_splits,
+                        num_sms=_num_sms(q.device))
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
-    num_q_blocks = math.ceil(max(meta.max_query_len, 1) / cfg["BLOCK_Q"])
     splits = meta.num_splits
     per = meta.tokens_per_split
     if per % 16:

@@ -124,13 +124,15 @@ def test_split_choice_is_host_only_and_sane():
     # Short contexts that fill the SMs are not split.
     assert choose_num_splits(32, 1024, num_kv_heads=8, num_sms=132) == 1
     assert choose_num_splits(8, 1024, num_kv_heads=8, num_sms=132) == 8
-    # Multi-token queries (verify): >= 2 splits over long contexts, 256-token fine splits.
+    # Multi-token queries (verify): >= 2 splits over long contexts, 256-token fine splits
+    # there, 128-token ones over short contexts.
     v = dict(num_kv_heads=8, num_sms=132, max_query_len=16)
     assert choose_num_splits(128, 8192, **v) == 2
     assert choose_num_splits(32, 8192, **v) == 2
     assert choose_num_splits(8, 32768, **v) == 8
     assert choose_num_splits(1, 8192, **v) == 32
-    assert choose_num_splits(8, 1024, **v) == 4
+    assert choose_num_splits(8, 1024, **v) == 8
+    assert choose_num_splits(1, 1024, **v) == 8
     assert choose_num_splits(128, 1024, **v) == 1
     # The policy's knobs (what the GPU sweep varies).
     pol = SplitPolicy(min_tokens=1024, fine_min_tokens=256, waves=2.0, max_splits=16)
@@ -268,3 +270,19 @@ def test_cuda_fused_reduce_repeated_launches_and_graph_replay():
         g.replay()
         torch.testing.assert_close(out, want, atol=2e-3, rtol=0)
     assert split_counters(q.device, 1).abs().sum().item() == 0
+
+
+def test_kernel_config_tiles_follow_the_grid():
+    # 64 query rows: 64-token tiles while the launch fits one wave (<= 2 programs per SM),
+    # 32-token tiles beyond, and a 128-register cap past 4 programs per SM; decode unchanged.
+    from kvstrata.kernels.attention_triton import kernel_config
+    one_wave = kernel_config(4, 128, 16, 0, programs=256, num_sms=132)
+    assert one_wave["BLOCK_Q"] * one_wave["GROUP_PAD"] == 64
+    assert one_wave["BLOCK_N"] == 64 and one_wave["maxnreg"] is None
+    mid = kernel_config(4, 128, 16, 0, programs=512, num_sms=132)
+    assert mid["BLOCK_N"] == 32 and mid["maxnreg"] is None
+    many = kernel_config(4, 128, 16, 0, programs=1024, num_sms=132)
+    assert many["BLOCK_N"] == 32 and many["maxnreg"] == 128
+    dec = kernel_config(4, 128, 1, 128, programs=512, num_sms=132)
+    assert dec["BLOCK_N"] == 32 and dec["maxnreg"] is None
+    assert kernel_config(4, 128, 1, 1024, programs=64)["BLOCK_N"] == 64
