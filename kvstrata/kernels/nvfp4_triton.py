@@ -207,25 +207,6 @@ def _load_tile(slab, rr, bb, R, D: tl.constexpr, KIND: tl.constexpr, ASM: tl.con
 
 
 @triton.jit
-def _slab_words(x_ptr, page, s, page_stride, rr, bb, R, D: tl.constexpr, EVEN: tl.constexpr):
-    """16-bit kinds: the raw int32 words of a whole slab, ``(half 0, half 1)`` of every block as
-    two [R, B, 4] tensors (the prefetch buffer of the persistent encoder)."""
-    slab = x_ptr + (page * page_stride + s * R * D) // 2
-    mask = (rr < R)[:, None] & (bb < D // 16)[None, :]
-    p = slab + (rr[:, None] * (D // 2) + bb[None, :] * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]
-    return _load_words(p, mask, EVEN), _load_words(p + 4, mask, EVEN)
-
-
-@triton.jit
-def _tile16(wa, wb, KIND: tl.constexpr, ASM: tl.constexpr):
-    """``_load_tile``'s results from a 16-bit slab's words (see ``_slab_words``)."""
-    a0, a1, a2, a3, a4, a5, a6, a7, na, ha = _half16(wa, KIND, ASM)
-    b0, b1, b2, b3, b4, b5, b6, b7, nb, hb = _half16(wb, KIND, ASM)
-    return (a0, a1, a2, a3, a4, a5, a6, a7, na, b0, b1, b2, b3, b4, b5, b6, b7, nb,
-            _block_max(ha, hb, KIND, ASM))
-
-
-@triton.jit
 def _code(x, r2, r1, rh):
     """Bits of ``C + RNE_e2m1(|x| * rcp)`` (C = 1.5 * 2**23, code 0..9 before saturation).
 
@@ -293,40 +274,12 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, p
                          BLOCK_R: tl.constexpr, NBP: tl.constexpr, ONE_PASS: tl.constexpr,
                          HAS_IDS: tl.constexpr, KIND: tl.constexpr, WORDS: tl.constexpr,
                          ASM: tl.constexpr, EVEN: tl.constexpr, PERSIST: tl.constexpr,
-                         STAGES: tl.constexpr, PREFETCH: tl.constexpr):
-    # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs: PREFETCH
-    # (16-bit slabs held in registers) loads the next slab's words before it encodes the current
-    # one, so every program keeps a slab's loads in flight while it computes; otherwise the loop
-    # is software-pipelined over STAGES stages.
-    if PERSIST and PREFETCH > 0:
-        rows = tl.arange(0, BLOCK_R)
-        bb = tl.arange(0, NBP)
-        step = tl.num_programs(0)
-        last = n_slabs - 1
-        m, s, page = _slab_page(tl.program_id(0), ids_ptr, S, HAS_IDS)
-        wa, wb = _slab_words(x_ptr, page, s, page_stride, rows, bb, R, D, EVEN)
-        if PREFETCH == 1:
-            for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
-                # the last steps reload a slab (cached) rather than masking the loads
-                m1, s1, page1 = _slab_page(tl.minimum(i + step, last), ids_ptr, S, HAS_IDS)
-                wa1, wb1 = _slab_words(x_ptr, page1, s1, page_stride, rows, bb, R, D, EVEN)
-                _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
-                               bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
-                               EVEN)
-                m, s, wa, wb = m1, s1, wa1, wb1
-        else:
-            m1, s1, page1 = _slab_page(tl.minimum(tl.program_id(0) + step, last), ids_ptr, S,
-                                       HAS_IDS)
-            wa1, wb1 = _slab_words(x_ptr, page1, s1, page_stride, rows, bb, R, D, EVEN)
-            for i in tl.range(tl.program_id(0), n_slabs, step, num_stages=1):
-                m2, s2, page2 = _slab_page(tl.minimum(i + 2 * step, last), ids_ptr, S, HAS_IDS)
-                wa2, wb2 = _slab_words(x_ptr, page2, s2, page_stride, rows, bb, R, D, EVEN)
-                _encode_loaded(_tile16(wa, wb, KIND, ASM), m, s, rows, bb, out_ptr, outw_ptr,
-                               bad_ptr, rtab_ptr, out_stride, out_stride_w, S, R, D, WORDS, ASM,
-                               EVEN)
-                m, s, wa, wb = m1, s1, wa1, wb1
-                m1, s1, wa1, wb1 = m2, s2, wa2, wb2
-    elif PERSIST:
+                         STAGES: tl.constexpr):
+    # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs,
+    # software-pipelined over STAGES stages. (A register prefetch of the next slab, 1-2 slabs
+    # ahead, was measured on the H200 and lost: 58.7% of the copy ceiling vs 66.7% for this
+    # kernel's one program per slab; see docs/benchmarks.md.)
+    if PERSIST:
         for pid in tl.range(tl.program_id(0), n_slabs, tl.num_programs(0), num_stages=STAGES):
             _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
                          out_stride, out_stride_w, S, R, D, BLOCK_R, NBP, ONE_PASS, HAS_IDS,
@@ -693,7 +646,7 @@ def _asm_ok(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=256)   # pure; cached because the tiers launch it per chunk
 def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | None, *,
                    has_ids: bool, words: bool, asm: bool, persistent: int = 0,
-                   stages: int = 1, prefetch: int = 1) -> dict:
+                   stages: int = 1) -> dict:
     """The encode kernel's constexprs (also used by ``benchmarks/nvfp4_sass.py``)."""
     nbp = triton.next_power_of_2(d // 16)
     full = triton.next_power_of_2(r)
@@ -701,13 +654,9 @@ def _encode_config(dtype: torch.dtype, s: int, r: int, d: int, block_r: int | No
         block_r = max(1, min(full, ONE_PASS_ELEMS // (16 * nbp)))
     one_pass = block_r >= r
     br = full if one_pass else block_r
-    # the persistent loop prefetches the next slab into registers when a 16-bit slab is held
-    # there whole (stages <= 1); otherwise Triton's software pipeliner runs it over `stages`
-    prefetch = (max(1, prefetch) if persistent > 0 and one_pass and dtype != torch.float32
-                and stages <= 1 else 0)
     return dict(S=s, D=d, BLOCK_R=br, NBP=nbp, ONE_PASS=one_pass, HAS_IDS=has_ids,
                 KIND=_KIND[dtype], WORDS=words, ASM=asm, EVEN=r % br == 0 and nbp == d // 16,
-                PERSIST=persistent > 0, STAGES=stages, PREFETCH=prefetch)
+                PERSIST=persistent > 0, STAGES=stages)
 
 
 @functools.lru_cache(maxsize=256)
@@ -749,7 +698,7 @@ def _num_sms(device: torch.device) -> int:
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
                  num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
-                 stages: int = 1, prefetch: int = 1, maxnreg: int | None = None,
+                 stages: int = 1, maxnreg: int | None = None,
                  lanes: bool | None = None, raw_flags: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
@@ -762,10 +711,8 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
     laid out like host slots). asm: use inline PTX (byte permutes, hardware E4M3 conversion);
     ``None`` = when the device allows it (CUDA sm_89+, not the interpreter); the bytes are the
-    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs;
-    with ``stages <= 1`` a bf16/fp16 slab held whole in registers has the next slab's loads
-    issued before its own encode (register prefetch), else the loop is software-pipelined over
-    ``stages`` stages; 0 (default) = one program per slab. maxnreg: cap the registers per
+    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs
+    (software-pipelined over ``stages`` stages when > 1); 0 (default) = one program per slab. maxnreg: cap the registers per
     thread (more programs per SM; ptxas spills past what the kernel needs). lanes: a thread
     per half block (see ``_nvfp4_encode_lanes_kernel``); ``None`` (default) = for bf16/fp16
     slabs of at most ``ONE_PASS_ELEMS`` elements when neither ``block_r`` nor ``persistent``
@@ -800,7 +747,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
         cfg = _encode_config(pages.dtype, s, r, d, block_r, has_ids=page_ids is not None,
                              words=words is not None,
                              asm=_asm_ok(pages.device) if asm is None else asm,
-                             persistent=persistent, stages=stages, prefetch=prefetch)
+                             persistent=persistent, stages=stages)
         grid = min(m * s, persistent * _num_sms(pages.device)) if persistent else m * s
         _nvfp4_encode_kernel[(grid,)](
             pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,

@@ -122,8 +122,7 @@ def test_decode_lanes_and_persistent_match_reference(block_r, persistent, stages
 
 @pytest.mark.parametrize("block_r,stages", [(None, 1), (None, 2), (4, 2)])
 def test_encode_persistent_matches_reference(block_r, stages):
-    # a grid-stride loop over slabs (fewer programs than slabs): register prefetch of the next
-    # slab (one pass, stages 1), Triton's software pipeline, or tiles
+    # a grid-stride loop over slabs (fewer programs than slabs), pipelined or not
     x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=12)
     a, fa = nvfp4_encode_ref(x)
     b, fb = nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False, persistent=1,
@@ -132,16 +131,19 @@ def test_encode_persistent_matches_reference(block_r, stages):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [3, 4])   # 2 heads x 3 tokens: padded rows (masked loads)
-def test_encode_prefetch_loop_ids_and_flags(dtype, rows):
-    # The prefetching loop over slabs in a pool order (page_ids), with a bad slab in the middle:
-    # 2 programs, 30 slabs (an uneven split: the last program's final step reloads its slab).
+@pytest.mark.parametrize("rows", [3, 4])   # 2 heads x 3 tokens: a partial last warp (masks)
+@pytest.mark.parametrize("variant", [dict(lanes=True), dict(lanes=False),
+                                     dict(persistent=1, lanes=False)])
+def test_encode_variants_pool_order_and_flags(dtype, rows, variant):
+    # Pages in a pool order (page_ids) with a NaN slab in the middle, through each encoder:
+    # lanes (a thread per half block), a thread per block, and the grid-stride loop (2
+    # programs, 30 slabs). Flags and the good pages' bytes equal the reference's.
     x = _special_pages(dtype, "wide", shape=(6, 3, 2, 2, rows, 32), seed=13)
     x[2, 1, 0, 1, 0, 5] = float("nan")
     ids = torch.tensor([4, 2, 0, 5, 1])
     a, fa = nvfp4_encode_ref(x[ids])
     assert fa.tolist() == [True, False, True, True, True]
-    b, fb = nvfp4_encode(x, ids, num_warps=1, asm=False, persistent=1)
+    b, fb = nvfp4_encode(x, ids, num_warps=1, asm=False, **variant)
     assert torch.equal(fb, fa)
     ok = fa.nonzero().flatten()
     assert torch.equal(a[ok], b[ok])
@@ -174,8 +176,10 @@ def test_strided_payload_rows_staging_layout(pad):
         o2.zero_()
         nvfp4_decode(view, o2, block_r=4, num_warps=1, lanes=lanes)
         assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
-    _, ok = nvfp4_encode(x, out=view, block_r=None, num_warps=1, persistent=1)
-    assert ok.all() and torch.equal(view, dense)
+    for kw in (dict(persistent=1), dict(lanes=True)):
+        view.zero_()
+        _, ok = nvfp4_encode(x, out=view, block_r=None, num_warps=1, **kw)
+        assert ok.all() and torch.equal(view, dense)
     assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
     with pytest.raises(ValueError, match="uint8"):
         nvfp4_encode(x, out=stage[:, :total - 1])
@@ -206,10 +210,15 @@ def test_cuda_triton_matches_cpu_reference(dtype, kind):
         ref, fr = nvfp4_encode_ref(x)
         o_ref = nvfp4_decode_ref(ref, torch.empty_like(x))
         xc = x.cuda()
-        for block_r in (None, 4):
+        for kw in (dict(), dict(lanes=False), dict(block_r=4), dict(num_warps=8)):
             for asm in (None, False):  # None: inline PTX where the GPU has it (sm_89+)
-                got, fg = nvfp4_encode(xc, block_r=block_r, asm=asm)
-                assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
+                got, fg = nvfp4_encode(xc, asm=asm, **kw)
+                assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr), kw
+        for pad in (8, 5):  # strided payload rows, int32 / byte stores
+            stage = torch.zeros(ref.shape[0], 16 + ref.shape[1] + pad, dtype=torch.uint8,
+                                device="cuda")
+            got, fg = nvfp4_encode(xc, out=stage[:, 16:16 + ref.shape[1]])
+            assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
         for block_r, wpt, flat in ((8, 1, False), (32, 4, False), (16, 2, True), (64, 4, True)):
             o = nvfp4_decode(ref.cuda(), torch.empty_like(xc), block_r=block_r,
                              words_per_thread=wpt, flat=flat)
