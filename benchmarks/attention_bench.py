@@ -119,8 +119,9 @@ def read_floor(timer: Timer, device: torch.device, nbytes: int) -> float:
     n = words.numel()
     sink = torch.empty(8192, dtype=torch.int32, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for per_sm in (2, 4, 8):
-        for block, warps, stages in ((1024, 4, 4), (2048, 8, 4), (4096, 8, 3)):
+    for per_sm in (2, 4, 8, 16):
+        for block, warps, stages in ((1024, 4, 4), (2048, 8, 4), (4096, 8, 3), (4096, 8, 1),
+                                     (8192, 16, 1)):
             progs = per_sm * sms
             per = -(-n // progs)
             per = -(-per // block) * block
