@@ -307,18 +307,19 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
     # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
     # reduce lost everywhere (its merging program walks the rows serially), so it stays off.
-    # 64 query rows (verify-16, prefill) hold a 64 x 128 fp32 accumulator: 147 registers and 3
-    # programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k unsplit,
-    # 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs 61.9 with 32);
-    # several waves run best on 32-token tiles capped at 128 registers, 4 programs per SM
-    # (128 x 1k: 157.3 us vs 184.9 uncapped; 8 x 8k with 4 programs per SM: tie).
+    # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
+    # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
+    # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
+    # 61.9 with 32; the register cap loses there, 58.7); more programs run best on 32-token
+    # tiles capped at 128 registers, 4 programs per SM (128 x 1k verify 157.3 us vs 184.9;
+    # 8 x 2k prefill 852 vs 989; 64 x 2k draft block 152 vs 221; 8 x 8k verify: tie).
     block_m = block_q * group_pad
     maxnreg = None
     if block_d > 128:
         block_n = 32
     elif block_m >= 64:
         block_n = 64 if 0 < programs <= 2 * num_sms else 32
-        if programs > 4 * num_sms:
+        if programs > 2 * num_sms:
             maxnreg = 128
     else:
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
