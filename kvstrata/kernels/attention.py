@@ -54,8 +54,8 @@ class SplitPolicy:
         waves: target programs per SM (``programs <= waves * num_sms``).
         short_ctx: contexts up to this many tokens are not split once every SM has a program.
         verify_split_ctx: multi-token queries over contexts this long take >= 2 splits.
-        verify_fine_min_tokens: ``fine_min_tokens`` for multi-token queries over contexts
-            longer than ``short_ctx`` (shorter ones use ``fine_min_tokens``).
+        verify_fine_min_tokens: ``fine_min_tokens`` for multi-token queries, unless even
+            splits this long leave fewer programs than SMs (then ``fine_min_tokens``).
         max_splits: upper bound on the split factor.
         align: ``tokens_per_split`` is rounded up to a multiple of this (a power of two >= 16;
             the kernel needs its KV tile size BLOCK_N to divide it).
@@ -160,11 +160,11 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
       split: the partial outputs and the merge cost more than they save.
     - Multi-token queries (verify) over long contexts (``>= policy.verify_split_ctx``) take at
       least 2 splits (128 x 8k verify-16: 1300 us unsplit, 1099 us with 2).
-    - No split is shorter than ``policy.min_tokens``, or ``policy.fine_min_tokens`` (decode,
-      and verify over short contexts: 1 x 1k verify-16 14.0 us with 8 splits, 19.9 with 4) /
-      ``policy.verify_fine_min_tokens`` (verify over longer contexts: 1 x 8k 26.1 us with 32
-      splits, more with 64) when even that leaves fewer programs than SMs (a few sequences).
-      Capped at ``policy.max_splits``.
+    - No split is shorter than ``policy.min_tokens``; when that leaves fewer programs than SMs
+      (a few sequences), no shorter than ``policy.fine_min_tokens`` (decode) or
+      ``policy.verify_fine_min_tokens`` (verify: 1 x 8k verify-16 26.1 us with 32 splits, more
+      with 64), and for verify, when even that leaves SMs idle, ``policy.fine_min_tokens``
+      (1 x 1k verify-16: 14.0 us with 8 splits, 19.9 with 4). Capped at ``policy.max_splits``.
     """
     pol = policy or DEFAULT_SPLIT_POLICY
     programs = max(1, num_seqs * num_kv_heads * num_q_blocks)
@@ -177,9 +177,10 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
         return 1
     most = max(1, max_seq_len // pol.min_tokens)
     if programs * most < num_sms:
-        fine = (pol.fine_min_tokens if max_query_len <= 1 or max_seq_len <= pol.short_ctx
-                else pol.verify_fine_min_tokens)
+        fine = pol.fine_min_tokens if max_query_len <= 1 else pol.verify_fine_min_tokens
         most = max(1, max_seq_len // fine)
+        if programs * most < num_sms:
+            most = max(1, max_seq_len // pol.fine_min_tokens)
     return max(1, min(want, most, pol.max_splits))
 
 

@@ -124,15 +124,16 @@ def test_split_choice_is_host_only_and_sane():
     # Short contexts that fill the SMs are not split.
     assert choose_num_splits(32, 1024, num_kv_heads=8, num_sms=132) == 1
     assert choose_num_splits(8, 1024, num_kv_heads=8, num_sms=132) == 8
-    # Multi-token queries (verify): >= 2 splits over long contexts, 256-token fine splits
-    # there, 128-token ones over short contexts.
+    # Multi-token queries (verify): >= 2 splits over long contexts, 256-token fine splits, and
+    # 128-token ones only where 256-token splits would still leave SMs idle.
     v = dict(num_kv_heads=8, num_sms=132, max_query_len=16)
     assert choose_num_splits(128, 8192, **v) == 2
     assert choose_num_splits(32, 8192, **v) == 2
     assert choose_num_splits(8, 32768, **v) == 8
     assert choose_num_splits(1, 8192, **v) == 32
-    assert choose_num_splits(8, 1024, **v) == 8
+    assert choose_num_splits(8, 1024, **v) == 4
     assert choose_num_splits(1, 1024, **v) == 8
+    assert choose_num_splits(1, 2048, **v) == 16
     assert choose_num_splits(128, 1024, **v) == 1
     # The policy's knobs (what the GPU sweep varies).
     pol = SplitPolicy(min_tokens=1024, fine_min_tokens=256, waves=2.0, max_splits=16)
