@@ -83,10 +83,10 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
             for cfg, kw in sweep:
                 if op == "encode":
                     ms = median_ms(lambda: nvfp4_encode(pages, **kw), device, repeat,
-                                   device_only=True)
+                                   device_only=cuda)
                 else:
                     ms = median_ms(lambda: nvfp4_decode(payload, out, **kw), device, repeat,
-                                   device_only=True)
+                                   device_only=cuda)
                 row(op, "triton", cfg, ms, raw + packed)
                 if op not in best or ms < best[op][1]:
                     best[op] = (cfg, ms)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..dtypes import SUPPORTED_DTYPES
+from ._device import num_sms as device_num_sms
 
 _IMPLS = ("auto", "triton", "torch")
 #: Split-KV never cuts a sequence into pieces shorter than this many tokens (the cost of writing
@@ -247,8 +248,7 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
     max_s = max(sl_host, default=0) if sl_host is not None else capacity
     if num_splits is None:
         if num_sms is None:
-            num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
-                       if dev.type == "cuda" else 132)
+            num_sms = device_num_sms(dev, 132)
         q_blocks = max(1, math.ceil(max_q / 16))
         num_splits = choose_num_splits(n, max_s, num_kv_heads=num_kv_heads,
                                        num_q_blocks=q_blocks, num_sms=num_sms,

@@ -20,7 +20,6 @@ Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 e
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ._device import num_sms
 from .attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -285,6 +285,13 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
 REDUCE_TILE = 4096
 
 
+def _block_q(group: int, max_query_len: int) -> int:
+    """Query tokens per program: ``BLOCK_Q * GROUP_PAD`` rows, >= 16 for tl.dot, <= 64."""
+    group_pad = triton.next_power_of_2(group)
+    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
+    return max(block_q, 16 // group_pad) if group_pad < 16 else block_q
+
+
 def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0,
                   programs: int = 0, num_sms: int = 132) -> dict:
     """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
@@ -299,8 +306,7 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     ``programs``: the launch's grid size (0 = unknown), against ``num_sms``.
     """
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
-    block_q = max(block_q, 16 // group_pad) if group_pad < 16 else block_q
+    block_q = _block_q(group, max_query_len)
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Measured on an H200 (docs/benchmarks.md, attention config sweep, bf16 GQA 32/8 d128):
     # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
@@ -326,13 +332,6 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
                 FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 #: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
@@ -378,12 +377,11 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    base = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split)
-    blk_q = (config or {}).get("BLOCK_Q", base["BLOCK_Q"])
+    blk_q = (config or {}).get("BLOCK_Q", _block_q(group, meta.max_query_len))
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / blk_q)
     cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split,
                         programs=meta.num_seqs * num_q_blocks * hkv * meta.num_splits,
-                        num_sms=_num_sms(q.device))
+                        num_sms=num_sms(q.device, 132))
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     splits = meta.num_splits
@@ -439,9 +437,9 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
         splits_pad = max(2, triton.next_power_of_2(splits))
+        # powers of two all: so is heads
         heads = max(1, min(triton.next_power_of_2(hq),
                            REDUCE_TILE // (splits_pad * cfg["BLOCK_D"])))
-        heads = 1 << (heads.bit_length() - 1)  # a power of two
         _reduce_splits_kernel[(T, triton.cdiv(hq, heads))](
             part_o, part_lse, out, splits, hq,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._device import num_sms
 from .nvfp4 import ONE_PASS_ELEMS, _check_pages, _check_payload, nvfp4_layout, rcp_table
 
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +277,7 @@ def _nvfp4_encode_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, p
                          ASM: tl.constexpr, EVEN: tl.constexpr, PERSIST: tl.constexpr,
                          STAGES: tl.constexpr):
     # One program per slab, or (PERSIST) a grid-stride loop over the n_slabs slabs,
-    # software-pipelined over STAGES stages. (A register prefetch of the next slab, 1-2 slabs
-    # ahead, was measured on the H200 and lost: 58.7% of the copy ceiling vs 66.7% for this
-    # kernel's one program per slab; see docs/benchmarks.md.)
+    # software-pipelined over STAGES stages (a register prefetch lost: docs/benchmarks.md).
     if PERSIST:
         for pid in tl.range(tl.program_id(0), n_slabs, tl.num_programs(0), num_stages=STAGES):
             _encode_slab(pid, x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_ptr, page_stride,
@@ -368,12 +367,9 @@ def _nvfp4_encode_lanes_kernel(x_ptr, ids_ptr, out_ptr, outw_ptr, bad_ptr, rtab_
                                D: tl.constexpr, NBLK: tl.constexpr, HAS_IDS: tl.constexpr,
                                KIND: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr,
                                EVEN: tl.constexpr):
-    # ``lanes`` encode (16-bit pages, a slab held whole in registers): a program per slab, a
-    # thread per *half* block (8 elements, one 16-byte load). Neighbouring lanes hold the two
-    # halves of a block, so every warp-wide load reads 512 contiguous bytes (the one-thread-per-
-    # block layout reads each 32-byte sector with two instructions, which doubles the L1/L2
-    # requests) and every warp-wide store writes 128 contiguous bytes of codes; the block
-    # maximum is one butterfly shuffle between the two lanes.
+    # ``lanes`` encode (16-bit pages, a slab held whole in registers; see the module doc of
+    # kernels/nvfp4.py): a program per slab, a thread per *half* block, the two halves of a
+    # block in neighbouring lanes (coalesced loads and stores, a one-shuffle block maximum).
     m, s, page = _slab_page(tl.program_id(0), ids_ptr, S, HAS_IDS)
     NB: tl.constexpr = D // 16
     slab = x_ptr + (page * page_stride + s * R * D) // 2
@@ -689,12 +685,6 @@ def _decode_lanes_config(s: int, r: int, d: int, block_r: int, *, has_ids: bool,
                 STAGES=stages), triton.cdiv(r * (d // 8), block_w)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, block_r: int | None = None,
                  num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
@@ -748,7 +738,7 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
                              words=words is not None,
                              asm=_asm_ok(pages.device) if asm is None else asm,
                              persistent=persistent, stages=stages)
-        grid = min(m * s, persistent * _num_sms(pages.device)) if persistent else m * s
+        grid = min(m * s, persistent * num_sms(pages.device, 2)) if persistent else m * s
         _nvfp4_encode_kernel[(grid,)](
             pages.view(torch.int32), _ids(page_ids, pages), out, out if words is None else words,
             bad, _rcp_table(pages.device), pages.stride(0), out.stride(0), out.stride(0) // 8,
@@ -797,7 +787,7 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
                                               out_kind=kind, words=words is not None,
                                               persistent=persistent, stages=stages)
             n_tiles = m * s * tiles
-            grid = min(n_tiles, persistent * _num_sms(out.device)) if persistent else n_tiles
+            grid = min(n_tiles, persistent * num_sms(out.device, 2)) if persistent else n_tiles
             _nvfp4_decode_lanes_kernel[(grid,)](*args, tiles, n_tiles, R=r,
                                                  num_warps=num_warps, **cfg)
         else:
