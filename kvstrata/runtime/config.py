@@ -31,8 +31,10 @@ class CacheConfig:
         target_codec, draft_codec: cold-page codecs of the two groups.
         drafter_backend: ``"paged"`` (draft context in the pool; the default) or ``"arena"``
             (private dense per-request buffer; a baseline only).
-        tiers: a TierManager-like object (``lookup_prefix``/``load_prefix``, ``on_evict``) or a
-            callable ``pool -> TierManager``; ``None`` keeps KV on the device only.
+        tiers: a dict for ``TierManager.from_config`` (``host_bytes``, ``disk`` = a directory
+            or a DiskTier, ``remote`` = a ``redis://`` URL or a RemoteTier, ``write_through``,
+            ...; checked when the engine is built), or a callable ``(pool, namespace) ->
+            TierManager``; ``None`` keeps KV on the device only.
     """
 
     kv_cache_bytes: int | None = None

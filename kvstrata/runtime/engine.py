@@ -46,12 +46,13 @@ def _load(obj, loader, device, dtype, part: str):
 
 
 def _make_tiers(spec, pool: PagePool, namespace: Namespace):
-    """``CacheConfig.tiers``: None, kwargs for ``TierManager``, or ``(pool, namespace) -> tiers``."""
+    """``CacheConfig.tiers``: None, a dict (``TierManager.from_config``), or
+    ``(pool, namespace) -> tiers``."""
     if spec is None:
         return None
     if isinstance(spec, dict):
         from ..tiers.manager import TierManager
-        return TierManager(pool, namespace, **spec)
+        return TierManager.from_config(pool, namespace, spec)
     if callable(spec):
         tiers = spec(pool, namespace)
     else:

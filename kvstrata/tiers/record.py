@@ -28,15 +28,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-import torch
-
-from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage
-
-try:
-    # ISA-L computes the same CRC-32 as zlib, ~4x faster: records stay readable either way.
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - optional accelerator
-    from zlib import crc32 as _crc32
+from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32
 from ..dtypes import dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
@@ -46,13 +38,6 @@ from ..pagepool import KVGroupSpec, PageInfo, hash_page
 FORMAT_VERSION = 3
 MAGIC = b"KVSR"
 _PREFIX = struct.Struct("<4sII")
-
-
-def crc32(data) -> int:
-    """CRC-32 (zlib's polynomial) of a bytes-like object or a CPU uint8 tensor."""
-    if isinstance(data, torch.Tensor):
-        data = data.contiguous().numpy().data
-    return _crc32(data) & 0xFFFFFFFF
 
 
 class RecordMismatch(CorruptPageError):
@@ -77,14 +62,8 @@ class Record:
 
     def encoded(self) -> list[EncodedPage]:
         """One :class:`EncodedPage` per group (payloads still alias the source buffer)."""
-        out = []
-        for g, p in zip(self.header["groups"], self.payloads):
-            # A copy: the source buffer may be read-only (an LMDB map) or short-lived.
-            t = torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
-            out.append(EncodedPage(codec=g["codec"], version=int(g["version"]),
-                                   shape=tuple(int(s) for s in g["shape"]), dtype=g["dtype"],
-                                   payload=t, checksum=g["checksum"], meta=dict(g["meta"] or {})))
-        return out
+        # from_header copies: the source buffer may be read-only (an LMDB map) or short-lived.
+        return [EncodedPage.from_header(g, p) for g, p in zip(self.header["groups"], self.payloads)]
 
 
 def build_record(ns_digest: bytes, info: PageInfo, names: Sequence[str],
