@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32
+from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32, get_codec
 from ..dtypes import dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
@@ -186,6 +186,25 @@ def check_groups(rec: Record, specs: Sequence[KVGroupSpec], codecs: Sequence[Cod
             raise RecordMismatch(f"group {spec.name!r}: record holds {g.get('dtype')} "
                                  f"{g.get('shape')}, expected {dtype_name(spec.dtype)} "
                                  f"{list(spec.page_shape(page_size))}")
+
+
+def check_stored(rec: Record, key: bytes, ns_digest: bytes | None = None) -> None:
+    """What an offline check (``kvstrata inspect --verify``) can know of a stored record without
+    the page it was asked for: stored under its own hash (and namespace), a valid hash link,
+    payload CRCs, and every group decodes to its shape. Raises a CorruptPageError subclass."""
+    if rec.page_hash != key:
+        raise RecordMismatch("stored under another key than its hash")
+    if ns_digest is not None and rec.header.get("ns") != ns_digest:
+        raise RecordMismatch("stored under another namespace than its own")
+    check_identity(rec, rec.header["ns"], None)
+    check_payloads(rec)
+    for g, enc in zip(rec.header["groups"], rec.encoded()):
+        try:
+            page = get_codec(g["codec"]).decode(enc)
+        except (KeyError, ValueError) as e:
+            raise CorruptPageError(f"group {g['name']!r} does not decode: {e}") from None
+        if tuple(page.shape) != tuple(g["shape"]):
+            raise CorruptPageError(f"group {g['name']!r} decodes to {tuple(page.shape)}")
 
 
 def verify_record(data: bytes | memoryview | Sequence[bytes | memoryview], ns_digest: bytes,

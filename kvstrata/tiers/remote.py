@@ -337,11 +337,10 @@ class RemoteTier:
             except ValueError:
                 continue        # not one of ours
 
-    def get_raw(self, namespace_digest: bytes, page_hashes: Sequence[bytes]
-                ) -> list[bytes | None]:
-        """Values of the records of ``page_hashes`` under ``namespace_digest`` (raises on a
-        fault)."""
-        ks = [f"{self.prefix}:{namespace_digest.hex()}:{h.hex()}".encode() for h in page_hashes]
+    def get_raw(self, keys: Sequence[tuple[bytes, bytes]]) -> list[bytes | None]:
+        """Values stored under ``(namespace digest, page hash)`` keys, as :meth:`scan` yields
+        them (raises on a fault)."""
+        ks = [f"{self.prefix}:{ns.hex()}:{h.hex()}".encode() for ns, h in keys]
         pipe = self.client.pipeline(transaction=False)
         for k in ks:
             pipe.get(k)
