@@ -22,16 +22,19 @@ bytes until the caller overwrites it, so the caller writes victims down first.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 
-from ..codecs import Codec, CorruptPageError, EncodedPage, get_codec
-from ..dtypes import dtype_name
+from ..codecs import Codec, CorruptPageError, EncodedPage, LosslessCodec, get_codec
+from ..dtypes import canonical_dtype, dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, format_bytes
 from .protocol import Parts, check_key, new_counters, record_nbytes
 from .record import (Record, RecordMismatch, build_record, check_identity, check_payloads,
@@ -39,6 +42,21 @@ from .record import (Record, RecordMismatch, build_record, check_identity, check
 
 log = logging.getLogger(__name__)
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+#: Threads that encode host pages into records (zstd and numpy release the GIL).
+_ENCODE_THREADS = min(4, os.cpu_count() or 1)
+_encoders: tuple[int, ThreadPoolExecutor] | None = None
+_encoders_lock = threading.Lock()
+
+
+def _encoder_pool() -> ThreadPoolExecutor:
+    """The process's shared encoder threads (made again in a forked child, which has none)."""
+    global _encoders
+    with _encoders_lock:
+        if _encoders is None or _encoders[0] != os.getpid():
+            _encoders = (os.getpid(), ThreadPoolExecutor(_ENCODE_THREADS,
+                                                         thread_name_prefix="kvstrata-encode"))
+        return _encoders[1]
 
 
 @dataclass(slots=True)
@@ -129,7 +147,7 @@ class HostTier:
         self._pending: list[tuple[Any, list[HostEntry], Any]] = []
         self._pending_hashes: set[bytes] = set()
         self._counters = new_counters("evictions", "rejected_pages", "rejected_bytes")
-        self.timings = {"decode_s": 0.0}
+        self.timings = {"decode_s": 0.0, "encode_s": 0.0}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -321,6 +339,41 @@ class HostTier:
             headers.append(EncodedPage.from_header(g, _EMPTY))
             sizes.append(len(p))
         return HostEntry(info, ns, slot, headers, sizes)
+
+    def records(self, entries: Sequence[HostEntry]) -> list[list]:
+        """Records (parts) of entries in the *configured* codecs, the format of every lower
+        tier and of the peer path: groups kept raw on the host are encoded here, on the CPU.
+        Payloads of other groups are views of the slots (write them before reusing a slot)."""
+        if not entries:
+            return []
+        pages = [list(e.headers) for e in entries]
+        payloads = [[self.payload(e, gi).numpy().data for gi in range(len(self.specs))]
+                    for e in entries]
+        jobs = [(j, gi) for j, e in enumerate(entries) for gi, c in enumerate(self.codecs)
+                if e.headers[gi].codec != c.name]
+        if jobs:
+            t0 = time.perf_counter()
+            encs = self._encode_raw([(entries[j], gi) for j, gi in jobs])
+            self.timings["encode_s"] += time.perf_counter() - t0
+            for (j, gi), enc in zip(jobs, encs):
+                pages[j][gi] = enc
+                payloads[j][gi] = enc.payload.numpy().data
+        return [build_record(e.ns, e.info, self.names, hdrs, pls)
+                for e, hdrs, pls in zip(entries, pages, payloads)]
+
+    def _encode_raw(self, jobs: list[tuple[HostEntry, int]]) -> list[EncodedPage]:
+        """Each ``(entry, group)``'s raw host bytes encoded with the group's configured codec
+        (the encoded payloads are new host tensors: the slots may be reused afterwards). The
+        built-in lossless codec is thread-safe and encodes on a few threads; any other codec
+        page by page."""
+        def one(job: tuple[HostEntry, int]) -> EncodedPage:
+            e, gi = job
+            h = e.headers[gi]
+            raw = self.payload(e, gi).view(canonical_dtype(h.dtype)).view(h.shape)
+            return self.codecs[gi].encode(raw)
+        if len(jobs) > 1 and all(type(self.codecs[gi]) is LosslessCodec for _, gi in jobs):
+            return list(_encoder_pool().map(one, jobs))
+        return [one(job) for job in jobs]
 
     # -- the Tier protocol (records in the host format; see kvstrata.tiers.protocol) ---------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

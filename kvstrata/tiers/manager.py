@@ -26,7 +26,7 @@ link ``H(parent || tokens)`` and the token ids.
 Codecs and tiers: host slots hold device-codec output (identity or NVFP4, encoded by the
 :class:`~kvstrata.tiers.transfer.Mover` straight into its staging rows) or the raw page bytes for
 a CPU-only lossless codec (``lossless``), whose host header says identity. CPU codecs run at the
-boundary to the lower tiers: :meth:`TierManager._records` encodes such a group's raw host bytes
+boundary to the lower tiers: :meth:`HostTier.records` encodes such a group's raw host bytes
 with the configured codec into the record (records in lower tiers always hold the configured
 codec's output, so ``check_groups`` and ``kvstrata inspect --verify`` see the same records
 everywhere), and :meth:`HostTier.fill` decodes them back into raw host bytes. Eviction and promotion
@@ -44,21 +44,16 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from ..codecs import CorruptPageError, EncodedPage, LosslessCodec, get_codec
-from ..dtypes import canonical_dtype
+from ..codecs import CorruptPageError, get_codec
 from ..pagepool import Namespace, PageInfo, PagePool, PoolView
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
 from .protocol import Parts, Tier, leading
-from .record import RecordMismatch, build_record, verify_record
+from .record import RecordMismatch, verify_record
 from .transfer import Mover
 
 log = logging.getLogger(__name__)
@@ -71,22 +66,6 @@ _TIER_COUNTERS = ("{}_hits", "{}_misses", "host_to_{}_pages", "host_to_{}_bytes"
 #: ``CacheConfig(tiers=dict(...))`` keys :meth:`TierManager.from_config` takes.
 CONFIG_KEYS = ("host_bytes", "disk", "disk_bytes", "remote", "remote_options", "write_through",
                "batch_pages", "chunk_pages")
-
-#: Threads that encode host pages for the disk tier (zstd and numpy release the GIL).
-_ENCODE_THREADS = min(4, os.cpu_count() or 1)
-_encoders: tuple[int, ThreadPoolExecutor] | None = None
-_encoders_lock = threading.Lock()
-
-
-def _encoder_pool() -> ThreadPoolExecutor:
-    """The process's shared encoder threads (made again in a forked child, which has none)."""
-    global _encoders
-    with _encoders_lock:
-        if _encoders is None or _encoders[0] != os.getpid():
-            _encoders = (os.getpid(), ThreadPoolExecutor(_ENCODE_THREADS,
-                                                         thread_name_prefix="kvstrata-encode"))
-        return _encoders[1]
-
 
 class TierManager:
     """The tiers below the device pool and the policy over them; a
@@ -139,11 +118,6 @@ class TierManager:
                              f"({self.host.slot_bytes} bytes): it stages every transfer")
         self.batch = min(batch_pages, self.host.num_slots)
         self.mover = Mover(view, self.host, self.codecs, self.batch, chunk_pages)
-        # Groups kept raw in the host tier whose configured (CPU) codec runs at the boundary to
-        # the lower tiers.
-        self._disk_coded = [gi for gi, (c, hc) in enumerate(zip(self.codecs,
-                                                                self.host.host_codecs))
-                            if hc is not c]
         self.disk = disk
         self.remote = remote
         #: the lower tiers, nearest first
@@ -340,7 +314,7 @@ class TierManager:
             for j, h in enumerate(have):
                 held[j] += bool(h)
         todo = sorted(set().union(*need))
-        records = dict(zip(todo, self._records([entries[j] for j in todo])))
+        records = dict(zip(todo, self.host.records([entries[j] for j in todo])))
         for t, js in zip(self.lower, need):
             if not js:
                 continue
@@ -356,40 +330,6 @@ class TierManager:
             e.on_disk = n == len(self.lower)
             if not n:
                 self.counters["dropped_pages"] += 1
-
-    def _records(self, entries: Sequence[HostEntry]) -> list[list]:
-        """Records (parts) of host entries; groups kept raw on the host are encoded with their
-        configured codec here, on the CPU (records always hold that codec's output)."""
-        if not entries:
-            return []
-        pages = [list(e.headers) for e in entries]
-        payloads = [[self.host.payload(e, gi).numpy().data for gi in range(len(self.specs))]
-                    for e in entries]
-        jobs = [(j, gi) for j, e in enumerate(entries) for gi in self._disk_coded
-                if e.headers[gi].codec != self.codecs[gi].name]
-        if jobs:
-            t0 = time.perf_counter()
-            encs = self._encode_raw([(entries[j], gi) for j, gi in jobs])
-            self.mover.timings["encode_s"] += time.perf_counter() - t0
-            for (j, gi), enc in zip(jobs, encs):
-                pages[j][gi] = enc
-                payloads[j][gi] = enc.payload.numpy().data
-        return [build_record(e.ns, e.info, self.names, hdrs, pls)
-                for e, hdrs, pls in zip(entries, pages, payloads)]
-
-    def _encode_raw(self, jobs: list[tuple[HostEntry, int]]) -> list[EncodedPage]:
-        """Each ``(entry, group)``'s raw host bytes encoded with the group's configured codec
-        (the encoded payloads are new host tensors: the slots may be reused afterwards). The
-        built-in lossless codec is thread-safe and encodes on a few threads; any other codec
-        page by page."""
-        def one(job: tuple[HostEntry, int]) -> EncodedPage:
-            e, gi = job
-            h = e.headers[gi]
-            raw = self.host.payload(e, gi).view(canonical_dtype(h.dtype)).view(h.shape)
-            return self.codecs[gi].encode(raw)
-        if len(jobs) > 1 and all(type(self.codecs[gi]) is LosslessCodec for _, gi in jobs):
-            return list(_encoder_pool().map(one, jobs))
-        return [one(job) for job in jobs]
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
@@ -537,6 +477,7 @@ class TierManager:
         out["d2h_bytes"] -= hs["rejected_bytes"]
         out.update(self.mover.collect_timings())
         out["decode_s"] += hs["decode_s"]
+        out["encode_s"] += hs["encode_s"]
         out["host_pages"] = hs["pages"]
         out["host_bytes"] = hs["stored_bytes"]
         out["host_capacity_bytes"] = hs["capacity_bytes"]

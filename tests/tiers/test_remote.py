@@ -111,7 +111,7 @@ def test_garbage_and_foreign_records_are_counted_misses_and_deleted(tmp_path, re
     assert r.exists(a.tiers.remote.key(hashes[0])) == 0          # deleted, never decoded
     b2 = _stack(tmp_path / "c", redis_url)
     r.delete(a.tiers.remote.key(hashes[0]))
-    b2.tiers.remote.put([(hashes[0], a.tiers._records([a.tiers.host.entry(hashes[0])])[0])])
+    b2.tiers.remote.put([(hashes[0], a.tiers.host.records([a.tiers.host.entry(hashes[0])])[0])])
     assert b2.run(p).cached_from["lower"] == 1                    # page 1 is foreign: a miss
     assert b2.tiers.stats()["mismatches"] == 1
     assert r.exists(a.tiers.remote.key(hashes[1])) == 0
