@@ -101,7 +101,8 @@ class RemoteTier:
         retry_after_s: after a connection fault, answer at once (misses, failed writes) for
             this long before trying the server again.
         get_batch: keys per ``GET`` pipeline (bounds the bytes one round trip carries).
-        put_batch_bytes: record bytes per ``SET`` pipeline.
+        put_batch_bytes: record bytes per ``SET`` pipeline (the size of the staging arena
+            :meth:`put` copies records into, allocated on the first put).
         ttl_s: expire stored pages after this many seconds (``None``: the server's eviction
             alone).
         cluster: ``True`` / ``False`` to skip detection.
@@ -115,7 +116,7 @@ class RemoteTier:
     def __init__(self, url: str, namespace_digest: bytes | None, *, prefix: str = "kvstrata",
                  socket_timeout: float = 2.0, connect_timeout: float = 2.0, retries: int = 1,
                  retry_after_s: float = 1.0, get_batch: int = 32,
-                 put_batch_bytes: int = 64 << 20, ttl_s: int | None = None,
+                 put_batch_bytes: int = 32 << 20, ttl_s: int | None = None,
                  cluster: bool | None = None):
         self.url = check_url(url)
         for what, v in (("socket_timeout", socket_timeout), ("connect_timeout", connect_timeout),
@@ -147,6 +148,7 @@ class RemoteTier:
         self._c = new_counters("skipped", "outages")
         self._down_until = 0.0
         self._faults = 0          # faults in the current outage (0: the server answers)
+        self._staging: memoryview | None = None
         self.client = None
         try:
             self.client, self.cluster = self._open(cluster)
@@ -270,13 +272,17 @@ class RemoteTier:
         return out
 
     def put(self, items: Sequence[tuple[bytes, Parts]]) -> list[bool]:
-        """``SET`` each record (parts joined: Redis stores one value per key)."""
+        """``SET`` each record. Redis stores one value per key, so a record's parts are copied
+        back to back into the tier's staging arena (``put_batch_bytes``, allocated once and
+        reused: a fresh buffer per page would cost a page fault per 4 KiB, more than the copy)
+        and sent from there; a pipeline goes out whenever the arena is full."""
         ok: list[bool] = []
-        batch: list[tuple[bytes, bytes]] = []
-        size = 0
+        batch: list[tuple[bytes, memoryview | bytes]] = []
+        arena = self._arena()
+        at = 0
 
         def flush() -> None:
-            nonlocal size
+            nonlocal at
             if not batch:
                 return
             res = self._pipeline(lambda p: [p.set(k, v, ex=self.ttl_s) for k, v in batch],
@@ -287,19 +293,31 @@ class RemoteTier:
                 self._c["puts" if good else "put_failures"] += 1
                 self._c["written_bytes"] += len(v) if good else 0
             batch.clear()
-            size = 0
+            at = 0
 
         for k, parts in items:
             key = self.key(k)
-            if not 1 <= len(parts):
+            if not parts:
                 raise ValueError(f"page {bytes(k).hex()}: a record has at least one part")
-            v = b"".join(parts) if len(parts) > 1 else bytes(parts[0])
-            batch.append((key, v))
-            size += len(v)
-            if size >= self.put_batch_bytes:
+            n = record_nbytes(parts)
+            if n > len(arena):
+                batch.append((key, b"".join(parts)))      # larger than the arena: its own copy
+                continue
+            if at + n > len(arena):
                 flush()
+            start = at
+            for part in parts:
+                m = memoryview(part).cast("B")
+                arena[at:at + len(m)] = m
+                at += len(m)
+            batch.append((key, arena[start:at]))
         flush()
         return ok
+
+    def _arena(self) -> memoryview:
+        if self._staging is None:
+            self._staging = memoryview(bytearray(self.put_batch_bytes))
+        return self._staging
 
     def delete(self, keys: Sequence[bytes]) -> int:
         ks = [self.key(k) for k in keys]
