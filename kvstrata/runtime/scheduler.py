@@ -86,21 +86,24 @@ class Request:
         sp = self.params
         for j, t in enumerate(new):
             self.tokens.append(t)
+            before = len(self.text)
             if self.detok is not None:
                 self.text += self.detok.push(t)
             g = self.num_generated
             if t in self.stop_ids and g > sp.min_tokens:
                 self.finish("stop")
                 return j + 1
-            if sp.stop and g >= sp.min_tokens and self._cut_stop_string():
+            if sp.stop and g >= sp.min_tokens and self._cut_stop_string(before):
                 self.finish("stop")
                 return j + 1
         if len(self.tokens) >= self.max_length:
             self.finish("length")
         return len(new)
 
-    def _cut_stop_string(self) -> bool:
-        cut = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
+    def _cut_stop_string(self, before: int) -> bool:
+        """Cut the text at the first stop string that this token's text completed."""
+        cut = [i for i in (self.text.find(s, max(0, before - len(s) + 1))
+                           for s in self.params.stop) if i >= 0]
         if not cut:
             return False
         self.text = self.text[:min(cut)]
