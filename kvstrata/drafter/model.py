@@ -30,7 +30,7 @@ from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
 
 #: attn(layer, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D]
-DraftAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+DraftAttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class _Attn(nn.Module):
@@ -135,7 +135,7 @@ class DFlashDrafter(nn.Module):
             write_kv(kv_cache, i, k, v, slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
-    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttention) -> Tensor:
+    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
         """Run packed draft blocks.
 
         noise: ``[Tq, hidden]`` target embeddings of the blocks (times ``input_embedding_scale``);
