@@ -173,8 +173,8 @@ class TierManager:
             raise ValueError("CacheConfig.tiers['disk_bytes'] sizes a disk tier given as a path; "
                              "an open DiskTier has its own capacity")
         elif disk is not None and not isinstance(disk, DiskTier):
-            raise ValueError(f"CacheConfig.tiers['disk'] must be a directory (str or PathLike) "
-                             f"or a DiskTier, got {type(disk).__name__}")
+            raise ValueError(f"CacheConfig.tiers['disk'] must be a directory path or a DiskTier, "
+                             f"got {type(disk).__name__}")
         try:
             remote = _remote_from_config(spec.get("remote"), spec.get("remote_options"),
                                          namespace.with_salt(None).digest)
