@@ -380,8 +380,9 @@ class HostTier:
         return [check_key(k) in self._entries for k in keys]
 
     def get(self, keys: Sequence[bytes]) -> list[Parts | None]:
-        """Records of visible entries: head + views of the slot's payloads (valid until the
-        slot is reused; copy them to keep them)."""
+        """Records of visible entries in the host format: head + copies of the slot's payloads
+        (a slot is reused; the protocol promises buffers that stay as they are). The
+        TierManager reaches slots through :meth:`rows` / :meth:`records` instead."""
         out: list[Parts | None] = []
         for k in keys:
             e = self._entries.get(check_key(k))
@@ -389,7 +390,7 @@ class HostTier:
                 self._counters["misses"] += 1
                 out.append(None)
                 continue
-            payloads = [self.payload(e, gi).numpy().data for gi in range(len(self.specs))]
+            payloads = [self.payload(e, gi).numpy().tobytes() for gi in range(len(self.specs))]
             parts = build_record(e.ns, e.info, self.names, e.headers, payloads)
             self._counters["hits"] += 1
             self._counters["read_bytes"] += record_nbytes(parts)
