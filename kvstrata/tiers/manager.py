@@ -67,6 +67,7 @@ _TIER_COUNTERS = ("{}_hits", "{}_misses", "host_to_{}_pages", "host_to_{}_bytes"
 CONFIG_KEYS = ("host_bytes", "disk", "disk_bytes", "remote", "remote_options", "write_through",
                "batch_pages", "chunk_pages")
 
+
 class TierManager:
     """The tiers below the device pool and the policy over them; a
     :class:`~kvstrata.pagepool.PrefixSource`.
@@ -105,6 +106,9 @@ class TierManager:
             if t is not None and not isinstance(t, Tier):
                 raise ValueError(f"{what} must implement the Tier protocol (exists/get/put/"
                                  f"delete/touch/counters/close), got {type(t).__name__}")
+        if disk is not None and remote is not None and disk.name == remote.name:
+            raise ValueError(f"disk and remote are both tiers named {disk.name!r}; their "
+                             f"counters would mix")
         self.view = view
         self.namespace = namespace.with_salt(None)
         self.ns_digest = self.namespace.digest
@@ -175,13 +179,17 @@ class TierManager:
         elif disk is not None and not isinstance(disk, DiskTier):
             raise ValueError(f"CacheConfig.tiers['disk'] must be a directory path or a DiskTier, "
                              f"got {type(disk).__name__}")
+        remote = None
         try:
             remote = _remote_from_config(spec.get("remote"), spec.get("remote_options"),
                                          namespace.with_salt(None).digest)
             return cls(pool, namespace, disk=disk, remote=remote, **kw)
         except BaseException:
+            # what this call opened is closed again; tiers the caller passed in stay open
             if opened is not None:
                 opened.close()
+            if remote is not None and isinstance(spec.get("remote"), str):
+                remote.close()
             raise
 
     def attach(self, pool: PagePool) -> None:

@@ -57,6 +57,10 @@ def test_from_config_opens_a_disk_path_and_rejects_bad_values(tmp_path):
             TierManager.from_config(pool, s.ns, spec)
     with pytest.raises(ValueError, match="Tier protocol"):
         TierManager(pool, s.ns, host_bytes=4 * slot, disk=object())
+    # A failure after the disk was opened releases it (its writer lock): it opens again.
+    with pytest.raises(ValueError, match="page slot"):
+        TierManager.from_config(pool, s.ns, dict(host_bytes=1, disk=str(tmp_path / "z")))
+    DiskTier(tmp_path / "z").close()
 
 
 def test_write_back_writes_device_and_host_pages_down_and_keeps_them(tmp_path):
