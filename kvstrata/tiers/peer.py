@@ -129,7 +129,7 @@ class PeerLink:
     def send(self, channel, pages: Sequence[PageInfo]) -> int:
         """Send the device pages ``pages`` (``page_id``, hash, parent, tokens) as records;
         returns the bytes sent. Raises :class:`PeerError` if a codec refuses a page (NaN/Inf
-        under NVFP4); the peer is then told nothing more (the caller aborts the handoff)."""
+        under NVFP4), after telling the peer (its :meth:`recv` raises too)."""
         sent = 0
         for k in range(0, len(pages), self.batch):
             chunk = list(pages[k:k + self.batch])
@@ -140,8 +140,10 @@ class PeerLink:
             held = [self.host.entry(i.hash) for i in chunk]
             try:
                 if any(e is None for e in held):
-                    raise PeerError("a page could not be encoded for the link (NaN/Inf in the "
+                    err = PeerError("a page could not be encoded for the link (NaN/Inf in the "
                                     "KV under a lossy codec?)")
+                    channel.send_obj({"error": str(err)})     # the peer fails this handoff too
+                    raise err
                 recs = self.host.records(held)
                 if self.slot_records:
                     msg = {"heads": [bytes(r[0]) for r in recs],
@@ -182,6 +184,8 @@ class PeerLink:
         for k in range(0, len(pages), self.batch):
             chunk = list(pages[k:k + self.batch])
             meta = channel.recv_obj()
+            if isinstance(meta, dict) and "error" in meta:
+                raise PeerError(f"the peer could not send its pages: {meta['error']}")
             if not isinstance(meta, dict) or len(meta.get("heads", meta.get("sizes", ()))) \
                     != len(chunk):
                 raise PeerError(f"expected the records of {len(chunk)} pages, the peer sent "
