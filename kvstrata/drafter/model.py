@@ -200,6 +200,20 @@ class PagedDraftAttention:
                                               q_lens, page_size=page_size, causal=True,
                                               num_kv_heads=H)
 
+    @classmethod
+    def from_plans(cls, drafter: DFlashDrafter, kv_cache: Tensor, meta_block, meta_causal,
+                   block_slots: Tensor | None, impl: str = "auto") -> "PagedDraftAttention":
+        """Over plans built elsewhere (the runner's persistent, CUDA-graph-safe plans):
+        ``meta_block`` in block mode over the context, ``meta_causal`` (or ``None`` without
+        causal layers) over context + block."""
+        if any(drafter.cfg.layer_causal) and (meta_causal is None or block_slots is None):
+            raise ValueError("causal draft layers need a causal plan and the block's slots")
+        self = cls.__new__(cls)
+        self.d, self.kv, self.impl = drafter, kv_cache, impl
+        self.block_slots = block_slots
+        self.meta_block, self.meta_causal = meta_block, meta_causal
+        return self
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cfg = self.d.cfg
         w = cfg.layer_window[layer]

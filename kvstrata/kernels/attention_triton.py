@@ -70,7 +70,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, tps_ptr,
         layer_off, qk_scale, window, tokens_per_split, num_q_blocks, num_splits,
         s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
         s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
@@ -80,7 +80,7 @@ def _paged_attention_kernel(
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -114,6 +114,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    if TPS_DEV:
+        # A CUDA graph's plan: the split length is written per step into device memory (the
+        # grid, num_splits, is fixed at capture).
+        tokens_per_split = tl.load(tps_ptr)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     if CAUSAL:
@@ -386,6 +390,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     splits = meta.num_splits
     per = meta.tokens_per_split
+    tps_dev = meta.split_tokens
     if per % 16:
         raise ValueError(f"tokens_per_split={per} must be a multiple of 16; build the "
                          f"metadata with plan_attention")
@@ -419,6 +424,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     _paged_attention_kernel[grid](
         q, kv_cache, bk, bv, out, part_o, part_lse, counters,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        tps_dev if tps_dev is not None else meta.seq_lens,
         layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
         max(per, 1), num_q_blocks, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -432,7 +438,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:

@@ -3,6 +3,7 @@
 from .config import CacheConfig
 from .engine import LLM
 from .outputs import RequestOutput
+from .runner import RunnerConfig
 from .sampling import SamplingParams
 
-__all__ = ["CacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CacheConfig", "LLM", "RequestOutput", "RunnerConfig", "SamplingParams"]

@@ -20,19 +20,18 @@ import time
 from typing import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..assets import resolve_model
-from ..drafter import DFlashDrafter, DraftArena, PagedDraftAttention
-from ..kernels.attention import plan_attention
+from ..drafter import DFlashDrafter, DraftArena
 from ..pagepool.hashing import Namespace
 from ..pagepool.manager import KVCacheManager
 from ..pagepool.pool import PagePool
 from .config import CacheConfig, check_drafter_compat, plan_cache
 from .outputs import RequestOutput
 from .qwen3 import Qwen3Model
-from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
-                       sampling_probs)
+from .runner import ModelRunner, RunnerConfig, StepItem
+from .sampling import SamplingParams
 from .scheduler import DECODE, PREFILL, PREFILLED, Request, Scheduler
 
 
@@ -74,11 +73,14 @@ class LLM:
         block_size: override the drafter's block size.
         seed: seed of the sampling RNG shared by requests without their own seed.
         attn_impl: kernel implementation (``"auto"``, ``"triton"``, ``"torch"``).
+        runner: :class:`RunnerConfig` (CUDA graphs on by default on CUDA; the
+            ``KVSTRATA_CUDA_GRAPHS=0`` environment variable turns them off; opt-in timing).
     """
 
     def __init__(self, target, drafter=None, cache: CacheConfig | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
-                 block_size: int | None = None, seed: int = 0, attn_impl: str = "auto"):
+                 block_size: int | None = None, seed: int = 0, attn_impl: str = "auto",
+                 runner: RunnerConfig | None = None):
         self.cache = cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(cache).__name__}")
@@ -105,7 +107,10 @@ class LLM:
             groups.append(self.drafter.kv_spec(codec=cache.draft_codec))
         free = None
         if self.device.type == "cuda" and cache.kv_cache_bytes is None:
-            free = int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+            # The runner's activations and captured graphs live beside the pool: keep room.
+            free = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) - ModelRunner.workspace_bytes(
+                self.target, self.drafter, cache.max_batch_size, B,
+                cache.max_num_batched_tokens)
         self.plan = plan_cache(cache, groups, limits, B, free)
         self.max_seq_len = self.plan.max_seq_len
         self.pool = PagePool(groups, self.plan.num_pages, cache.page_size, self.device)
@@ -117,6 +122,11 @@ class LLM:
                       if self.drafter is not None and not self.paged else None)
         self.taps = list(self.drafter.cfg.target_layer_ids) if self.drafter else []
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.runner = ModelRunner(self.target, self.drafter, self.pool, self.mgr, block_size=B,
+                                  max_batch_size=cache.max_batch_size,
+                                  max_seq_len=self.max_seq_len, arena=self.arena,
+                                  generator=self.generator, attn_impl=attn_impl, config=runner)
+        self.runner.capture()
         self._ids = itertools.count()
         self.counters = {"steps": 0, "draft_s": 0.0, "target_s": 0.0, "step_s": 0.0,
                          "generated_tokens": 0, "prefill_tokens": 0, "verify_tokens": 0}
@@ -191,6 +201,10 @@ class LLM:
                      "groups": [g.name for g in p.groups]},
             "prefix": dict(self.mgr.stats),
             "engine": dict(self.counters),
+            "runner": {"cuda_graphs": bool(self.runner.graphs),
+                       "batch_sizes": list(self.runner.ladder) if self.runner.graphs else [],
+                       "graph_pool_bytes": self.runner.graph_pool_bytes,
+                       **self.runner.stats},
         }
         if self.arena is not None:
             out["arena_bytes"] = self.arena.nbytes
@@ -287,186 +301,60 @@ class LLM:
              "num_steps": len(r.acceptance_lengths)})
 
     # -- one step -------------------------------------------------------------------------------
-    def _sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     @torch.inference_mode()
     def _step(self, sched: Scheduler) -> None:
-        t0 = self._sync()
+        """Schedule, hand the batch to the runner (draft, verify, accept and the draft context
+        write run on the device), then apply stops/lengths on the host and commit."""
+        t0 = time.perf_counter()
         self._admit(sched)
         plan = sched.schedule()
         if not plan.decode and not plan.prefill:
             raise RuntimeError("scheduler produced an empty step")  # unreachable by construction
         for r, n in plan.decode + plan.prefill:
             self.mgr.reserve(r.rid_key, r.num_computed + n)
-        drafts = self._draft(plan.decode) if self.drafter is not None else {}
-        t1 = self._sync()
-        items = [(r, n, [r.tokens[-1]] + drafts.get(r, ([], None))[0]) for r, n in plan.decode]
-        items += [(r, n, r.prompt[r.num_computed:r.num_computed + n]) for r, n in plan.prefill]
-        hidden, taps, pos_t, slots_t = self._target_forward(items)
-        t2 = self._sync()
-        self._accept(items, drafts, hidden, taps, pos_t, slots_t)
+        items = [StepItem(r.rid_key, r.num_computed, n, [r.tokens[-1]], True, r.params,
+                          generator=r.generator) for r, n in plan.decode]
+        items += [StepItem(r.rid_key, r.num_computed, n,
+                           r.prompt[r.num_computed:r.num_computed + n], False, r.params,
+                           sample=r.num_computed + n == len(r.prompt), generator=r.generator)
+                  for r, n in plan.prefill]
+        produced = self.runner.execute(items)
+        self._accept(plan.decode + plan.prefill, items, produced)
         c = self.counters
         c["steps"] += 1
-        c["draft_s"] += t1 - t0
-        c["target_s"] += t2 - t1
-        c["step_s"] += self._sync() - t0
+        c["draft_s"] = self.runner.timing.draft_s
+        c["target_s"] = self.runner.timing.target_s
+        c["step_s"] += time.perf_counter() - t0   # the runner waited for its one D2H copy
 
-    def _draft(self, decode: list[tuple[Request, int]]) -> dict:
-        """Draft tokens (and their sampling distributions) for blocks longer than one token."""
-        items = [(r, n) for r, n in decode if n > 1]
-        if not items:
-            return {}
-        d, cfg, dev = self.drafter, self.drafter.cfg, self.device
-        ids, pos, rows = [], [], []
-        for r, n in items:
-            start = r.num_computed
-            rows += range(len(ids) + 1, len(ids) + n)
-            ids += [r.tokens[-1]] + [cfg.mask_token_id] * (n - 1)
-            pos += range(start, start + n)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        noise = self.target.embed(ids_t)
-        if cfg.input_embedding_scale != 1.0:
-            noise = noise * cfg.input_embedding_scale
-        keys = [r.rid_key for r, _ in items]
-        starts = [r.num_computed for r, _ in items]
-        qlens = [n for _, n in items]
-        if self.paged:
-            bt, _ = self.mgr.block_tables(keys)
-            slots = [s for (r, n) in items for s in self.mgr.slots(r.rid_key, r.num_computed,
-                                                                  r.num_computed + n)]
-            attn = PagedDraftAttention(d, self.pool.kv["draft"], bt, starts, qlens,
-                                       torch.tensor(slots, dtype=torch.int64, device=dev),
-                                       self.pool.page_size, impl=self.attn_impl)
-        else:
-            attn = self.arena.attention(keys, starts, qlens)
-        hidden = d(noise, pos_t, attn)
-        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(self.target.dtype)
-        logits = d.postprocess_logits(self.target.compute_logits(h))
-        greedy = logits.argmax(-1).tolist()
-        out, at = {}, 0
-        for r, n in items:
-            k = n - 1
-            sp = r.params
-            if sp.greedy:
-                out[r] = (greedy[at:at + k], None)
-            else:
-                probs = sampling_probs(logits[at:at + k], sp.temperature, sp.top_p, sp.top_k)
-                toks = sample_from(probs, r.generator or self.generator)
-                out[r] = (toks.tolist(), probs)
-            at += k
-        return out
-
-    def _target_forward(self, items) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Hidden states, concatenated taps, positions and slots of the packed step's rows."""
-        dev = self.device
-        ids, pos, slots, qlens, slens = [], [], [], [], []
-        for r, n, toks in items:
-            s = r.num_computed
-            ids += toks
-            pos += range(s, s + n)
-            slots += self.mgr.slots(r.rid_key, s, s + n)
-            qlens.append(n)
-            slens.append(s + n)
-        bt, sl = self.mgr.block_tables([r.rid_key for r, _, _ in items], seq_lens=slens)
-        meta = plan_attention(bt, sl, qlens, page_size=self.pool.page_size, causal=True,
-                              seq_lens_host=slens,
-                              num_kv_heads=self.target.config.num_key_value_heads)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        hidden, cap = self.target(
-            torch.tensor(ids, dtype=torch.int64, device=dev), pos_t, meta, slots_t,
-            self.pool.kv["target"], capture_layers=self.taps, attn_impl=self.attn_impl)
-        return hidden, (torch.cat(cap, dim=-1) if cap else None), pos_t, slots_t
-
-    def _accept(self, items, drafts, hidden: Tensor, taps: Tensor | None, pos_t: Tensor,
-                slots_t: Tensor) -> None:
-        dev = self.device
-        # Rows whose logits we need: every verify row; the last row of a finished prompt.
-        need, at = [], 0
-        for r, n, _ in items:
-            if r.state == DECODE:
-                need += range(at, at + n)
-            elif r.num_computed + n == len(r.prompt):
-                need.append(at + n - 1)
-            at += n
-        logits = self.target.compute_logits(
-            hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
-        greedy = logits.argmax(-1).tolist() if need else []
-        commits = []          # (request, tokens to commit, first row in the packed step)
-        li, at = 0, 0
+    def _accept(self, scheduled: list[tuple[Request, int]], items: list[StepItem],
+                produced: list[list[int]]) -> None:
+        """Host side of acceptance: cut at stop tokens and ``max_length``, append, commit."""
         now = time.perf_counter()
-        for r, n, toks in items:
-            if r.state == DECODE:
+        for (r, n), it, new in zip(scheduled, items, produced):
+            if it.decode:
                 start = r.num_computed
-                dr, dprobs = drafts.get(r, ([], None))
-                sp = r.params
-                if sp.greedy:
-                    acc, bonus = greedy_accept(dr, greedy[li:li + n])
-                else:
-                    tp = sampling_probs(logits[li:li + n], sp.temperature, sp.top_p, sp.top_k)
-                    d_t = torch.tensor(dr, dtype=torch.int64, device=dev)
-                    if dprobs is None:
-                        dprobs = tp[:0]
-                    acc, bonus = rejection_accept(d_t, tp, dprobs, r.generator or self.generator)
-                li += n
-                new = (dr[:acc] + [bonus])[:max(1, r.max_length - start - 1)]
-                stops = sp.stop_token_ids
+                new = new[:max(1, r.max_length - start - 1)]
+                stops = r.params.stop_token_ids
                 for j, t in enumerate(new):
                     if t in stops:
                         new = new[:j + 1]
                         break
-                produced = len(new)
-                commits.append((r, toks[:produced], at))
-                r.acceptance_lengths.append(produced)
+                # The inputs of the produced tokens' rows: the pending token, then the accepted
+                # drafts (which equal the produced tokens before the last).
+                commit = ([r.tokens[-1]] + new)[:len(new)]
+                r.acceptance_lengths.append(len(new))
                 r.append(new)
                 self.counters["verify_tokens"] += n
-                self.counters["generated_tokens"] += produced
+                self.counters["generated_tokens"] += len(new)
             else:
-                commits.append((r, toks, at))
+                commit = it.tokens
                 self.counters["prefill_tokens"] += n
-                if r.num_computed + n == len(r.prompt):
-                    sp = r.params
-                    if sp.greedy:
-                        first = greedy[li]
-                    else:
-                        probs = sampling_probs(logits[li], sp.temperature, sp.top_p, sp.top_k)
-                        first = int(sample_from(probs, r.generator or self.generator))
-                    li += 1
+                if new:
                     r.state, r.t_first = DECODE, now
-                    r.append([first])
+                    r.append(new)
                     if r.handoff and r.state == DECODE:
                         r.state = PREFILLED
                         # The prompt commit below still runs: a handoff carries committed pages.
                     self.counters["generated_tokens"] += 1
-            at += n
-        self._write_context(commits, taps, pos_t, slots_t)
-        for r, toks, _ in commits:
-            self.mgr.commit(r.rid_key, toks)
-            r.num_computed += len(toks)
-
-    def _write_context(self, commits, taps: Tensor | None, pos_t: Tensor, slots_t: Tensor
-                       ) -> None:
-        """Draft context K/V of the tokens about to be committed (both groups before commit).
-
-        ``pos_t``/``slots_t``: the step's packed positions and slots (``_target_forward``); a
-        commit's tokens are the first rows of its item, so their positions and slots are those.
-        """
-        if self.drafter is None or not commits:
-            return
-        dev = self.device
-        rows = []
-        for r, toks, at in commits:
-            s, m = r.num_computed, len(toks)
-            if self.paged:
-                rows += range(at, at + m)
-            elif m:
-                self.arena.append(r.rid_key, taps[at:at + m],
-                                  torch.arange(s, s + m, device=dev))
-        if self.paged and rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-            self.drafter.write_context(taps[idx], pos_t[idx], slots_t[idx], self.pool.kv["draft"],
-                                       impl=self.attn_impl)
+            self.mgr.commit(r.rid_key, commit)
+            r.num_computed += len(commit)
