@@ -285,6 +285,10 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
              res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
+#: Decode launches of at most this many programs per SM merge their splits in the same launch.
+FUSED_DECODE_WAVES = 4
+#: Switch for that policy (benchmarks compare both).
+FUSED_DECODE = True
 #: Partial-output elements one merge program holds (heads x splits x head_dim).
 REDUCE_TILE = 4096
 
@@ -316,7 +320,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
     # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
-    # reduce lost everywhere (its merging program walks the rows serially), so it stays off.
+    # reduce lost on verify and large batches (its merging program walks the rows serially), so
+    # it is on only for decode launches of few programs (FUSED_DECODE; runner_bench measures).
     # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
     # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
     # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
@@ -324,6 +329,10 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # tiles capped at 128 registers, 4 programs per SM (128 x 1k verify 157.3 us vs 184.9;
     # 8 x 2k prefill 852 vs 989; 64 x 2k draft block 152 vs 221; 8 x 8k verify: tie).
     block_m = block_q * group_pad
+    # Decode (one query row block) with few programs: the last split program merges in the same
+    # launch (the merge walks only GROUP rows), one launch instead of split + merge.
+    fused = (FUSED_DECODE and max_query_len <= 1 and block_q * group_pad <= 16
+             and 0 < programs <= FUSED_DECODE_WAVES * num_sms)
     maxnreg = None
     if block_d > 128:
         block_n = 32
@@ -335,7 +344,7 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
+                FUSED_REDUCE=fused, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
 
 
 #: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
