@@ -171,7 +171,8 @@ class ModelRunner:
         self.max_batch = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_pages = math.ceil(max_seq_len / P)
-        self.use_graphs = graphs_enabled(config, dev)
+        # The arena baseline's private buffers live outside the pool: always the general path.
+        self.use_graphs = graphs_enabled(config, dev) and (drafter is None or self.paged)
         self.ladder = config.batch_sizes or default_ladder(max_batch_size)
         if self.ladder[-1] < max_batch_size and self.use_graphs:
             self.ladder = tuple(sorted(set(self.ladder) | {max_batch_size}))
