@@ -287,8 +287,9 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
 
 #: Decode launches of at most this many programs per SM merge their splits in the same launch.
 FUSED_DECODE_WAVES = 4
-#: Switch for that policy (benchmarks compare both).
-FUSED_DECODE = True
+#: Switch for that policy: off, measured slower (H200, 1 x 8k decode, 64 splits, in a graph:
+#: 31.7 us fused vs 18.1 us split + merge per layer; 1 x 32k: 50.8 vs 42.1; docs/benchmarks.md).
+FUSED_DECODE = False
 #: Partial-output elements one merge program holds (heads x splits x head_dim).
 REDUCE_TILE = 4096
 
@@ -320,8 +321,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
     # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
-    # reduce lost on verify and large batches (its merging program walks the rows serially), so
-    # it is on only for decode launches of few programs (FUSED_DECODE; runner_bench measures).
+    # reduce lost everywhere (its merging program walks the rows serially), batch-1 decode
+    # included (FUSED_DECODE; runner_bench measures it), so it stays off.
     # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
     # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
     # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
