@@ -261,6 +261,7 @@ def main():
                     fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
                     row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d)
                 bench.close()
+                del bench      # it holds the LLM: the pool must go before the next one
             del llm
             gc.collect()
             torch.cuda.empty_cache()
