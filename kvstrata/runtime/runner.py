@@ -273,6 +273,7 @@ class ModelRunner:
         return self._general(items)
 
     # -- decode path ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def decode(self, items: list[StepItem], bucket: int | None = None) -> list[list[int]]:
         """The decode path: stage inputs, replay (or run) draft + verify, one D2H copy.
 

@@ -62,3 +62,27 @@ def test_cpu_auto_is_the_torch_path():
     assert torch.equal(out, add_rms_norm_ref(x, w, 1e-6)[0]) and h is x
     with pytest.raises(ValueError, match="impl"):
         silu_mul(x, x, impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernels_round_like_torch():
+    """Compiled, with round-to-nearest casts: the residual add is exact and the rest within one
+    bf16 ulp of the torch ops (only the norm's reduction order differs)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(33, 4096, generator=g, device="cuda").to(dt)
+    r = torch.randn(33, 4096, generator=g, device="cuda").to(dt)
+    w = (torch.rand(4096, generator=g, device="cuda") + 0.5).to(dt)
+    out, h = add_rms_norm(x, w, 1e-6, residual=r)
+    want, hw = add_rms_norm_ref(x, w, 1e-6, r)
+    assert torch.equal(h, hw)
+    torch.testing.assert_close(out, want, atol=0, rtol=8e-3)
+    q = torch.randn(33, 32 * 128, generator=g, device="cuda").to(dt).view(33, 32, 128)
+    wq = (torch.rand(128, generator=g, device="cuda") + 0.5).to(dt)
+    cos, sin = RotaryEmbedding(128, 1e6).to("cuda").cos_sin(torch.arange(33, device="cuda") * 97)
+    torch.testing.assert_close(head_norm_rope(q, wq, 1e-6, cos, sin),
+                               head_norm_rope_ref(q, wq, 1e-6, cos, sin), atol=1e-2, rtol=8e-3)
+    a = torch.randn(33, 12288, generator=g, device="cuda").to(dt)
+    torch.testing.assert_close(silu_mul(a, x.repeat(1, 3)), silu_mul_ref(a, x.repeat(1, 3)),
+                               atol=1e-2, rtol=8e-3)
