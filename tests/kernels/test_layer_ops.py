@@ -77,7 +77,7 @@ def test_cuda_kernels_round_like_torch():
     out, h = add_rms_norm(x, w, 1e-6, residual=r)
     want, hw = add_rms_norm_ref(x, w, 1e-6, r)
     assert torch.equal(h, hw)
-    torch.testing.assert_close(out, want, atol=0, rtol=8e-3)
+    torch.testing.assert_close(out, want, atol=0, rtol=1.6e-2)
     q = torch.randn(33, 32 * 128, generator=g, device="cuda").to(dt).view(33, 32, 128)
     wq = (torch.rand(128, generator=g, device="cuda") + 0.5).to(dt)
     cos, sin = RotaryEmbedding(128, 1e6).to("cuda").cos_sin(torch.arange(33, device="cuda") * 97)
