@@ -116,6 +116,8 @@ class StepItem:
         decode: a generating sequence (verify block) or a prompt chunk.
         sample: prefill only: the chunk ends the prompt, so its last row's token is sampled.
         params, generator: the request's sampling settings and RNG (``None``: the runner's).
+        banned, banned_rows: token ids masked out of the first ``banned_rows`` rows whose
+            logits this item uses (``min_tokens``: stop ids cannot end a request early).
     """
 
     seq_id: object
@@ -126,6 +128,8 @@ class StepItem:
     params: SamplingParams
     sample: bool = False
     generator: torch.Generator | None = None
+    banned: frozenset = frozenset()
+    banned_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -257,7 +261,8 @@ class ModelRunner:
         if not items or len(items) > self.max_batch or (self.drafter is not None
                                                         and not self.paged):
             return False
-        return all(it.decode and it.n == self.B and it.params.greedy for it in items)
+        return all(it.decode and it.n == self.B and it.params.greedy and not it.banned_rows
+                   for it in items)
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> list[list[int]]:
@@ -533,8 +538,10 @@ class ModelRunner:
     def _accept(self, items, inputs, drafts, hidden: Tensor) -> tuple[list[list[int]], list]:
         """Per item the produced tokens, and ``(first row, rows to commit)`` per item."""
         dev = self.device
-        need, at = [], 0          # rows whose logits we need: verify rows, a prompt's last row
+        need, at, mask = [], 0, []  # rows whose logits we need: verify rows, a prompt's last
         for it in items:
+            if it.banned_rows:
+                mask.append((len(need), it.banned_rows, sorted(it.banned)))
             if it.decode:
                 need += range(at, at + it.n)
             elif it.sample:
@@ -542,6 +549,8 @@ class ModelRunner:
             at += it.n
         logits = self.target.compute_logits(
             hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
+        for row, k, ids in mask:
+            logits[row:row + k, torch.tensor(ids, dtype=torch.int64, device=dev)] = float("-inf")
         greedy = logits.argmax(-1).tolist() if need else []
         out, rows, li, at = [], [], 0, 0
         for i, it in enumerate(items):
