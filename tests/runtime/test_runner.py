@@ -63,9 +63,19 @@ def _snapshot(llm):
     return {k: v.clone() for k, v in llm.pool.kv.items()}
 
 
-def _restore(llm, snap):
+def _twice(llm, reqs, first, second):
+    """Reserve the block of every request, run ``first(items)`` and, on the pool as it was
+    before, ``second(items)``; returns both outputs, the K/V after ``first`` and the pool
+    before both (the pool is left as ``second`` wrote it)."""
+    items = _decode_items(reqs, llm)
+    for r, it in zip(reqs, items):
+        llm.mgr.reserve(r.rid_key, it.start + it.n)
+    snap = _snapshot(llm)
+    a = first(items)
+    kv_a = _snapshot(llm)
     for k, v in snap.items():
         llm.pool.kv[k].copy_(v)
+    return a, second(items), kv_a, snap
 
 
 def test_padding_rows_change_nothing(ckpts):
@@ -73,14 +83,8 @@ def test_padding_rows_change_nothing(ckpts):
     no K/V anywhere (slot -1, length 0)."""
     llm = _llm(ckpts)
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=30))
-    items = _decode_items(reqs, llm)
-    for r, it in zip(reqs, items):
-        llm.mgr.reserve(r.rid_key, it.start + it.n)
-    snap = _snapshot(llm)
-    exact = llm.runner.decode(items)
-    kv_exact = _snapshot(llm)
-    _restore(llm, snap)
-    padded = llm.runner.decode(items, bucket=8)
+    exact, padded, kv_exact, snap = _twice(llm, reqs, llm.runner.decode,
+                                           lambda items: llm.runner.decode(items, bucket=8))
     assert padded == exact
     assert all(1 <= len(t) <= llm.block_size for t in exact)
     # Rows the three sequences own may differ in the last bits (different matmul shapes);
@@ -91,7 +95,7 @@ def test_padding_rows_change_nothing(ckpts):
         assert torch.equal(llm.pool.kv[g][others], snap[g][others])
         torch.testing.assert_close(llm.pool.kv[g], kv_exact[g], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="does not fit"):
-        llm.runner.decode(items, bucket=2)
+        llm.runner.decode(_decode_items(reqs, llm), bucket=2)
     for r in reqs:
         llm.release(r)
 
@@ -104,14 +108,8 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
     by = {r.rid: r for r in reqs}
     for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
         rs = [by[i] for i in order]
-        items = _decode_items(rs, llm)
-        for r, it in zip(rs, items):
-            llm.mgr.reserve(r.rid_key, it.start + it.n)
-        snap = _snapshot(llm)
-        general = llm.runner._general(items)
-        kv_general = _snapshot(llm)
-        _restore(llm, snap)
-        fast = llm.runner.decode(items, bucket=4)
+        general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
+                                              lambda items: llm.runner.decode(items, bucket=4))
         assert fast == general, f"order {order}"
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
