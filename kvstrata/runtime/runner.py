@@ -28,15 +28,15 @@ import bisect
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
 from ..kernels.attention import AttentionMetadata, choose_num_splits, plan_attention
-from ..drafter import PagedDraftAttention
 from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
                        sampling_probs)
 
@@ -97,7 +97,7 @@ def default_ladder(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def choose_bucket(ladder: tuple[int, ...], n: int) -> int | None:
+def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
     """The smallest captured size holding ``n`` sequences (``None``: larger than any)."""
     i = bisect.bisect_left(ladder, n)
     return ladder[i] if i < len(ladder) else None
@@ -279,16 +279,17 @@ class ModelRunner:
 
     # -- decode path ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, items: list[StepItem], bucket: int | None = None) -> list[list[int]]:
+    def decode(self, items: list[StepItem], pad_to: int | None = None) -> list[list[int]]:
         """The decode path: stage inputs, replay (or run) draft + verify, one D2H copy.
 
-        ``bucket`` forces the padded batch size (tests); by default graphs pad to the ladder
+        ``pad_to`` forces the padded batch size (tests); by default graphs pad to the ladder
         and the eager path runs the exact batch.
         """
         n = len(items)
-        b = bucket or (choose_bucket(self.ladder, n) if self.use_graphs else n)
+        b = pad_to or (graph_batch_size(self.ladder, n) if self.use_graphs else n)
         if b is None or b < n or b > self.max_batch:
-            raise ValueError(f"batch of {n} does not fit bucket {b} (max {self.max_batch})")
+            raise ValueError(f"a batch of {n} sequences does not fit {b} rows (at most "
+                             f"{self.max_batch})")
         self._stage(items, b)
         ev = self._events
         if ev is not None:
@@ -601,5 +602,5 @@ class ModelRunner:
                                        impl=self.attn_impl)
 
 
-__all__ = ["GRAPHS_ENV", "ModelRunner", "RunnerConfig", "StepItem", "choose_bucket",
+__all__ = ["GRAPHS_ENV", "ModelRunner", "RunnerConfig", "StepItem", "graph_batch_size",
            "default_ladder", "graphs_enabled"]

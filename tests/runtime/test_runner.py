@@ -1,4 +1,4 @@
-"""Model runner on the CPU: bucket choice, padding rows, persistent buffers reused across steps of
+"""Model runner on the CPU: graph batch size choice, padding rows, persistent buffers reused across steps of
 changing batch composition (decode path == general path), the graphs switch, incremental hashing."""
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ from kvstrata.pagepool.manager import KVCacheManager
 from kvstrata.pagepool.pool import PagePool
 from kvstrata.pagepool.spec import KVGroupSpec
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
-from kvstrata.runtime.runner import (GRAPHS_ENV, StepItem, choose_bucket, default_ladder,
+from kvstrata.runtime.runner import (GRAPHS_ENV, StepItem, graph_batch_size, default_ladder,
                                      graphs_enabled)
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [
     [(11 * i + 5) % 290 for i in range(n)] for n in (3, 17)]
 
 
-def test_ladder_and_bucket_choice():
+def test_ladder_and_graph_batch_size():
     assert default_ladder(64) == (1, 2, 4, 8, 16, 32, 48, 64)
     assert default_ladder(20) == (1, 2, 4, 8, 16, 20)
     assert default_ladder(1) == (1,)
     lad = (1, 2, 4, 8, 16, 32)
-    assert [choose_bucket(lad, n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == \
+    assert [graph_batch_size(lad, n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == \
         [1, 2, 4, 8, 8, 16, 32, 32]
-    assert choose_bucket(lad, 33) is None
+    assert graph_batch_size(lad, 33) is None
     assert RunnerConfig(batch_sizes=(8, 1, 8, 4)).batch_sizes == (1, 4, 8)
     with pytest.raises(ValueError, match="positive integers"):
         RunnerConfig(batch_sizes=(0, 2))
@@ -84,7 +84,7 @@ def test_padding_rows_change_nothing(ckpts):
     llm = _llm(ckpts)
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=30))
     exact, padded, kv_exact, snap = _twice(llm, reqs, llm.runner.decode,
-                                           lambda items: llm.runner.decode(items, bucket=8))
+                                           lambda items: llm.runner.decode(items, pad_to=8))
     assert padded == exact
     assert all(1 <= len(t) <= llm.block_size for t in exact)
     # Rows the three sequences own may differ in the last bits (different matmul shapes);
@@ -94,8 +94,8 @@ def test_padding_rows_change_nothing(ckpts):
     for g in llm.pool.kv:
         assert torch.equal(llm.pool.kv[g][others], snap[g][others])
         torch.testing.assert_close(llm.pool.kv[g], kv_exact[g], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="does not fit"):
-        llm.runner.decode(_decode_items(reqs, llm), bucket=2)
+    with pytest.raises(ValueError, match="does not fit 2 rows"):
+        llm.runner.decode(_decode_items(reqs, llm), pad_to=2)
     for r in reqs:
         llm.release(r)
 
@@ -109,7 +109,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
     for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
         rs = [by[i] for i in order]
         general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
-                                              lambda items: llm.runner.decode(items, bucket=4))
+                                              lambda items: llm.runner.decode(items, pad_to=4))
         assert fast == general, f"order {order}"
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)

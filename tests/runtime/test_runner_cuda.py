@@ -41,8 +41,7 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
             llm.pool.kv[g].copy_(t)
         run.use_graphs = False
         try:
-            bucket = {5: 8, 2: 2, 1: 1, 3: 4}[len(items)]
-            eager = run.decode(items, bucket=bucket)
+            eager = run.decode(items, pad_to={5: 8, 2: 2, 1: 1, 3: 4}[len(items)])
         finally:
             run.use_graphs = True
         assert graph == eager, f"step {step}"
