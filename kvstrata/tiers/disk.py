@@ -216,7 +216,9 @@ class DiskTier:
                 if e.kind != "old":
                     raise ValueError(str(e)) from None
                 dest = ix.move_aside(self.path, "old-layout")
-                log.warning("disk tier %s: %s; moved to %s, starting empty", self.path, e, dest)
+                log.warning("disk tier %s was written by an older kvstrata (disk layout 3 or "
+                            "earlier, not self-describing); moved its files to %s and started "
+                            "empty (delete them once no older kvstrata needs them)", self.path, dest)
                 os.makedirs(self.segdir, exist_ok=True)
                 self._open_index()
             except lmdb.Error as e:
@@ -761,7 +763,8 @@ class DiskTier:
 
     # -- space reclamation --------------------------------------------------------------------
     def file_limit(self) -> int:
-        """Segment file bytes above which :meth:`put_batch` compacts: capacity + slack."""
+        """Live record bytes + dead segment bytes above which :meth:`put_batch` compacts:
+        capacity + slack (frames are not counted)."""
         return self.capacity_bytes + self.reclaim_slack
 
     def _reclaim(self, max_rounds: int = 4) -> None:
@@ -769,7 +772,9 @@ class DiskTier:
         most dead bytes has its live records re-appended to the current segment, then goes."""
         for _ in range(max_rounds):
             segs = self.segments()
-            if sum(end for _, _, end in segs.values()) <= self.file_limit():
+            # frames do not count against the capacity: dead bytes + live records vs the limit
+            dead = sum(end - live for live, _, end in segs.values())
+            if dead + self.stored_bytes() <= self.file_limit():
                 return
             sealed = [(end - live, s) for s, (live, _, end) in segs.items()
                       if s != self.files.current and end > live]
