@@ -120,7 +120,7 @@ class DiskTier:
         self._psize = 4096
         self._damaged: str | None = None       # why the index is not to be trusted now
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
-        self._served: dict[bytes, bytes] = {}  # key -> location the last reads returned
+        self._served: dict[bytes, tuple] = {}  # key -> (index generation, location) last read
         self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
                       "deleted": 0, "orphans": 0, "segments_created": 0, "segments_deleted": 0,
                       "compactions": 0, "moved_records": 0, "moved_bytes": 0,
@@ -396,8 +396,11 @@ class DiskTier:
             return None
         got = read_frame(views[0], 0)
         views = None
-        if got is None or got[0] != h or tuple(got[1]) != tuple(lens):
-            return None     # the location holds another entry: a damaged index value
+        if got is None:
+            return None     # the entry's own bytes are damaged
+        if got[0] != h or tuple(got[1]) != tuple(lens):
+            self._index_error(TierDamaged(f"the index places {h.hex()} on another record"))
+            return None
         return self.files.views(seg, start, lens)
 
     def _getter(self, txn) -> Callable[[bytes], list | None]:
@@ -425,7 +428,7 @@ class DiskTier:
                 views = self._entry(h, v)
                 self.stats["relocated"] += 1
             if not self.readonly:       # for delete()'s check; readers never delete
-                self._served[h] = bytes(v[LOC:])
+                self._served[h] = (self.stats["rebuilds"], bytes(v[LOC:]))
             return [] if views is None else views
         return get
 
@@ -748,8 +751,9 @@ class DiskTier:
                     v = txn.get(h, db=self._index)
                     if v is not None:
                         served = self._served.get(h)
-                        if served is not None and bytes(v[LOC:]) != served:
-                            continue
+                        if served is not None and served != (self.stats["rebuilds"],
+                                                              bytes(v[LOC:])):
+                            continue    # moved, rewritten or re-indexed since it was read
                         total -= self._drop(txn, h, bytes(v), deltas)
                         n += 1
                 freed = self._apply_seg_deltas(txn, deltas)
