@@ -34,6 +34,13 @@ def tree_pages(path) -> list[int]:
         os.close(fd)
 
 
+def some_pages(path, n: int, rng: random.Random) -> list[int]:
+    """``n`` tree pages: the root of the ``index`` database (on every read's path) and ``n - 1``
+    others (live or copy-on-write leftovers)."""
+    root = root_page(path, b"index")
+    return [root] + rng.sample([p for p in tree_pages(path) if p != root], n - 1)
+
+
 def _edit(path, fn) -> None:
     fd = os.open(os.path.join(path, MDB), os.O_RDWR)
     try:

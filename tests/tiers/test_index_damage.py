@@ -48,7 +48,7 @@ def _all_served(s: Stack, prompts) -> None:
 
 DAMAGE = {
     "page type bits": lambda path: damage.flip_page_type(
-        path, random.Random(1).sample(damage.tree_pages(path), 4)),
+        path, damage.some_pages(path, 4, random.Random(1))),
     "index root page": lambda path: damage.damage_root(path, b"index"),
     "lru root page": lambda path: damage.damage_root(path, b"lru"),
     "one meta page": lambda path: damage.damage_meta(path, (1,)),
@@ -183,3 +183,16 @@ def test_rebuild_impossible_moves_the_files_aside_and_starts_empty(tmp_path, mon
     aside = [n for n in os.listdir(s.path) if n.startswith("damaged-")]
     assert len(aside) == 1 and {"data.mdb", "segments"} <= set(os.listdir(s.path / aside[0]))
     assert len([r for r in caplog.records if "started empty" in r.message]) == 1
+
+
+def test_a_walk_that_dies_reports_the_signal_and_the_writer_rebuilds(tmp_path, monkeypatch):
+    """LMDB aborts (SIGABRT) on some damage, and a cut map raises SIGBUS: neither can be
+    caught in-process, so the walk runs in a child whose death is the verdict."""
+    s, prompts = _filled(tmp_path)
+    s.tiers.close()
+    from kvstrata.tiers import diskindex
+    monkeypatch.setattr(diskindex, "_WALK", "import os; os.abort()")
+    problem, _ = walk(str(s.path))
+    assert problem == "reading the index killed the reading process (signal 6)"
+    with DiskTier(s.path, map_size=1 << 24, check=True) as d:
+        assert d.stats["rebuilds"] == 1 and len(d) == 12
