@@ -119,6 +119,8 @@ class DiskTier:
         self._mdb_fd = -1
         self._psize = 4096
         self._damaged: str | None = None       # why the index is not to be trusted now
+        #: what the last rebuild (or move aside) of the index was for; None if there was none
+        self.repaired: str | None = None
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
         self._served: dict[bytes, tuple] = {}  # key -> (index generation, location) last read
         self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
@@ -265,6 +267,7 @@ class DiskTier:
         empty. Logs once what it found and did."""
         self._close_env()
         self.files.seal()
+        self.repaired = problem
         try:
             got = ix.rebuild(self.path, self.files, self.capacity_bytes, self.map_size)
             self._open_index()
