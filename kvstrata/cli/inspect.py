@@ -167,7 +167,7 @@ def _page_doc(key: bytes, rec, size: int) -> dict:
 
 def _damage_doc(path: str, problem: str) -> dict:
     """What a damaged tier still holds: the records a rebuild would keep."""
-    from kvstrata.tiers.diskindex import scan_all
+    from kvstrata.tiers.rebuild import scan_all
     from kvstrata.tiers.segments import Segments
     entries, totals = scan_all(Segments(path, 1))
     return {"path": path, "damaged": problem, "recoverable_pages": len(entries),

@@ -10,7 +10,7 @@ import os
 import random
 import struct
 
-from ..tiers.diskindex import MDB
+from ..tiers.lmdbcheck import MDB
 
 _P_BRANCH, _P_LEAF = 0x01, 0x02
 
@@ -35,9 +35,9 @@ def tree_pages(path) -> list[int]:
 
 
 def some_pages(path, n: int, rng: random.Random) -> list[int]:
-    """``n`` tree pages: the root of the ``index`` database (on every read's path) and ``n - 1``
-    others (live or copy-on-write leftovers)."""
-    root = root_page(path, b"index")
+    """``n`` tree pages: the root of the ``records`` database (on every read's path) and
+    ``n - 1`` others (live or copy-on-write leftovers)."""
+    root = root_page(path, b"records")
     return [root] + rng.sample([p for p in tree_pages(path) if p != root], n - 1)
 
 
@@ -67,14 +67,14 @@ def damage_meta(path, which=(0, 1)) -> None:
 
 def root_page(path, name: bytes) -> int:
     """The root page number of the named database ``name``."""
-    from ..tiers.diskindex import _named_dbs
+    from ..tiers.lmdbcheck import named_dbs
     fd = os.open(os.path.join(path, MDB), os.O_RDONLY)
     try:
         ps = _psize(fd)
         meta = [os.pread(fd, 256, i * ps) for i in (0, 1)]
         txn = [struct.unpack_from("<Q", m, 144)[0] for m in meta]
         main_root = struct.unpack_from("<Q", meta[txn.index(max(txn))], 16 + 24 + 48 + 40)[0]
-        return dict(_named_dbs(os.pread(fd, ps, main_root * ps)))[name.decode()][7]
+        return dict(named_dbs(os.pread(fd, ps, main_root * ps)))[name.decode()][7]
     finally:
         os.close(fd)
 

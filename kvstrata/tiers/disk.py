@@ -50,17 +50,14 @@ from typing import Callable, Iterator, Sequence
 
 import lmdb
 
-from . import diskindex as ix
-from .diskindex import IDX, LOC, SEGV, SEQ, U64, TierDamaged
+from .compaction import reclaim
+from .diskindex import DiskIndex
+from .diskschema import DAMAGE, LAYOUT, LOC, SEGV, SEQ, U64, TierDamaged, location
 from .segments import DEFAULT_SEGMENT_BYTES, Segments, frame_size, read_frame
 
 log = logging.getLogger(__name__)
 
 MAX_PARTS = 257                     # head + 256 payloads
-#: LMDB errors that mean the index itself is damaged (others: a full map, too many readers ...)
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError,
-           lmdb.VersionMismatchError, lmdb.PanicError, lmdb.BadTxnError, lmdb.BadValsizeError)
-_ACTIVE = "writer.active"           # present while a writer has the tier open
 
 
 class DiskTier:
@@ -114,13 +111,7 @@ class DiskTier:
         self.segdir = self.files.dir
         self.capacity_bytes = capacity_bytes
         self._cap = capacity_bytes            # lowered when the map turns out to be smaller
-        self.env = None
         self._lock = None
-        self._mdb_fd = -1
-        self._psize = 4096
-        self._damaged: str | None = None       # why the index is not to be trusted now
-        #: what the last rebuild (or move aside) of the index was for; None if there was none
-        self.repaired: str | None = None
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
         self._served: dict[bytes, tuple] = {}  # key -> (index generation, location) last read
         self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
@@ -131,19 +122,22 @@ class DiskTier:
         self._burst_errors = 0
         #: test hook: called inside every write transaction before commit (fault injection)
         self.before_commit: Callable[[], None] | None = None
+        self.index = DiskIndex(self.path, self.files, map_size, sync, readonly, self.stats)
         if readonly:
-            self._open_reader()
+            recorded = self.index.open_reader()
+            if recorded:    # readers report the capacity the writer configured
+                self.capacity_bytes = self._cap = recorded
         else:
             self._take_lock()
             try:
-                self._open_writer(check)
+                self.index.open_writer(capacity_bytes, check)
             except BaseException:
-                self._close_env()
+                self.index.close()
                 self._release_lock()
                 raise
             self.sweep_orphans()
 
-    # -- opening ------------------------------------------------------------------------------
+    # -- opening and closing ------------------------------------------------------------------
     def _take_lock(self) -> None:
         os.makedirs(self.segdir, exist_ok=True)
         self._lock = open(os.path.join(self.path, "writer.lock"), "a+b")
@@ -160,138 +154,25 @@ class DiskTier:
             self._lock.close()      # closing the descriptor drops the flock
             self._lock = None
 
-    def _mdb(self) -> str:
-        return os.path.join(self.path, ix.MDB)
+    @property
+    def env(self):
+        return self.index.env
 
-    def _open_reader(self) -> None:
-        if os.path.isfile(self.path):
-            raise ValueError(f"{self.path!r} is a file, not a kvstrata disk tier (a directory)")
-        if not os.path.isdir(self.path):
-            raise ValueError(f"{self.path!r} is not a kvstrata disk tier (no such directory)")
-        if not os.path.exists(self._mdb()):
-            if self.files.ids():
-                raise TierDamaged(f"{self.path!r}: data.mdb is missing ({len(self.files.ids())} "
-                                  f"segment files remain; a writer rebuilds the index)")
-            raise ValueError(f"{self.path!r} is not a kvstrata disk tier (no data.mdb)")
-        problem = ix.check_file(self._mdb())
-        if problem:
-            raise TierDamaged(f"{self.path!r}: {problem}")
-        try:
-            self.env = ix.open_env(self.path, self.map_size, True, False)
-            kind = ix.layout_of(self.env)
-            if kind != ix.LAYOUT:
-                self._close_env()
-                raise ValueError(self._layout_message(kind))
-            self._set_dbs(ix.open_dbs(self.env, readonly=True))
-            with self.env.begin(db=self._meta) as txn:
-                v = txn.get(b"capacity")
-        except lmdb.NotFoundError:
-            self._close_env()
-            raise ValueError(f"{self.path!r} is an LMDB environment but not a kvstrata disk tier") from None
-        except lmdb.Error as e:
-            self._close_env()
-            raise TierDamaged(f"{self.path!r}: opening the index failed ({type(e).__name__}: {e})") from None
-        if v:       # readers report the capacity the writer configured, not their own default
-            self.capacity_bytes = self._cap = U64.unpack(v)[0]
-        self._after_open()
+    # the index's databases (their handles change when the index is rebuilt)
+    _records = property(lambda self: self.index.dbs[b"records"])
+    _lru = property(lambda self: self.index.dbs[b"lru"])
+    _segs = property(lambda self: self.index.dbs[b"segs"])
+    _byseg = property(lambda self: self.index.dbs[b"byseg"])
+    _meta = property(lambda self: self.index.dbs[b"meta"])
 
-    def _layout_message(self, kind) -> str:
-        if kind is None:
-            return (f"{self.path!r} was written by an older kvstrata (disk layout 3 or earlier, "
-                    f"whose segments are not self-describing); this version reads layout "
-                    f"{ix.LAYOUT}. A writer moves it aside into {self.path}/old-layout-*/ and starts empty")
-        if kind == "foreign":
-            return f"{self.path!r} is an LMDB environment but not a kvstrata disk tier"
-        return (f"{self.path!r} was written by a newer kvstrata (disk layout {kind}); this "
-                f"version reads layout {ix.LAYOUT}: use that version, or another directory")
-
-    def _open_writer(self, check: bool) -> None:
-        unclean = os.path.exists(os.path.join(self.path, _ACTIVE))
-        fresh = not os.path.exists(self._mdb()) and not self.files.ids()
-        problem = None if fresh else ix.check_file(self._mdb())
-        if problem is None and not fresh and (unclean or check):
-            problem, _ = ix.walk(self.path)
-        if problem is None:
-            try:
-                self._open_index()
-            except _LayoutError as e:
-                if e.kind != "old":
-                    raise ValueError(str(e)) from None
-                dest = ix.move_aside(self.path, "old-layout")
-                log.warning("disk tier %s was written by an older kvstrata (disk layout 3 or "
-                            "earlier, not self-describing); moved its files to %s and started "
-                            "empty (delete them once no older kvstrata needs them)", self.path, dest)
-                os.makedirs(self.segdir, exist_ok=True)
-                self._open_index()
-            except lmdb.Error as e:
-                self._close_env()
-                problem = f"opening the index failed ({type(e).__name__}: {e})"
-        if problem is not None:
-            self._recover(problem)
-        with open(os.path.join(self.path, _ACTIVE), "w") as f:
-            f.write(str(os.getpid()))
-
-    def _open_index(self) -> None:
-        self.env = ix.open_env(self.path, self.map_size, False, self.sync)
-        kind = ix.layout_of(self.env)
-        if kind != ix.LAYOUT:
-            self._close_env()
-            raise _LayoutError("old" if kind is None else kind, self._layout_message(kind))
-        # Reader slots of processes that died (kill -9) would pin old pages forever.
-        self.env.reader_check()
-        self._set_dbs(ix.open_dbs(self.env, readonly=False))
-        with self.env.begin(write=True) as txn:
-            for db in (self._index, self._lru, self._segs, self._byseg):
-                txn.stat(db)       # touches every root page
-            txn.put(b"capacity", U64.pack(self.capacity_bytes), db=self._meta)
-        self._after_open()
-
-    def _set_dbs(self, dbs) -> None:
-        self._index, self._lru = dbs[b"index"], dbs[b"lru"]
-        self._segs, self._byseg, self._meta = dbs[b"segs"], dbs[b"byseg"], dbs[b"meta"]
-
-    def _after_open(self) -> None:
-        self._psize = self.env.stat()["psize"]
-        self._mdb_fd = os.open(self._mdb(), os.O_RDONLY)
-
-    def _close_env(self) -> None:
-        if self._mdb_fd >= 0:
-            os.close(self._mdb_fd)
-            self._mdb_fd = -1
-        if self.env is not None:
-            self.env.close()
-            self.env = None
-
-    def _recover(self, problem: str) -> None:
-        """Rebuild the index from the segments; if that fails, move everything aside and start
-        empty. Logs once what it found and did."""
-        self._close_env()
-        self.files.seal()
-        self.repaired = problem
-        try:
-            got = ix.rebuild(self.path, self.files, self.capacity_bytes, self.map_size)
-            self._open_index()
-        except (lmdb.Error, OSError, _LayoutError) as e:
-            self._close_env()
-            dest = ix.move_aside(self.path, "damaged")
-            os.makedirs(self.segdir, exist_ok=True)
-            self._open_index()
-            self.stats["moved_aside"] += 1
-            log.error("disk tier %s: the index is damaged (%s) and rebuilding it failed (%s); "
-                      "moved the tier's files to %s and started empty", self.path, problem, e,
-                      dest)
-            return
-        self.stats["rebuilds"] += 1
-        self.stats["rebuilt_records"] += got["kept"]
-        log.warning("disk tier %s: the index is damaged (%s); rebuilt it from %d segment files "
-                    "(%.1f MB) in %.2f s: %d records kept, %d damaged stretches skipped; the "
-                    "damaged file is kept as data.mdb.damaged", self.path, problem,
-                    got["segments"], got["segment_bytes"] / 1e6, got["seconds"], got["kept"],
-                    got["damaged"])
+    @property
+    def repaired(self) -> str | None:
+        """What the last rebuild (or move aside) of the index was for; None if there was none."""
+        return self.index.repaired
 
     def check(self) -> str | None:
         """Walk the whole index in a child process; what is damaged, or None."""
-        return ix.check_file(self._mdb()) or ix.walk(self.path)[0]
+        return self.index.check()
 
     def repair(self, force: bool = False) -> str | None:
         """Rebuild the index from the segments if :meth:`check` finds it damaged (or always,
@@ -299,26 +180,17 @@ class DiskTier:
         if self.readonly:
             raise ValueError("this DiskTier was opened readonly; open it for writing to repair")
         self.flush()
-        problem = self._damaged or self.check()
+        problem = self.index.damaged or self.check()
         if problem or force:
-            self._recover(problem or "rebuild asked for")
-            self._damaged = None
+            self.index.damaged = None
+            self.index.recover(problem or "rebuild asked for")
         return problem
 
     def close(self) -> None:
-        if self.env is None:
-            self.files.close()
-            self._release_lock()
-            return
-        if not self.readonly:
+        if self.env is not None and not self.readonly:
             self.flush()
         self.files.close()
-        self._close_env()
-        if not self.readonly:
-            try:
-                os.unlink(os.path.join(self.path, _ACTIVE))
-            except FileNotFoundError:
-                pass
+        self.index.close(clean=True)
         self._release_lock()
 
     def __enter__(self) -> "DiskTier":
@@ -326,35 +198,6 @@ class DiskTier:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- damage on the way ----------------------------------------------------------------------
-    def _usable(self) -> bool:
-        """Whether reads may touch the index now. Repairs first in a writer; refuses a file
-        shorter than its last page (reading through the map would raise SIGBUS)."""
-        if self.env is None:
-            return False
-        if self._damaged and not self.readonly:
-            problem, self._damaged = self._damaged, None
-            self._recover(problem)
-        size = os.fstat(self._mdb_fd).st_size
-        if size >= 2 * self._psize:
-            need = (self.env.info()["last_pgno"] + 1) * self._psize
-            if size >= need:
-                return True
-        self._index_error(f"data.mdb was cut to {size} bytes")
-        return False
-
-    def _index_error(self, e) -> None:
-        """A read met a damaged index: count it, log the first of a burst, mark for repair."""
-        self.stats["index_errors"] += 1
-        damage = not isinstance(e, lmdb.Error) or isinstance(e, _DAMAGE)
-        if damage and self._damaged is None:
-            self._damaged = str(e)
-            log.warning("disk tier %s: the index is damaged (%s); reads are misses until %s",
-                        self.path, e, "the index is rebuilt (before the next operation)"
-                        if not self.readonly else "a writer rebuilds it and this reader reopens")
-        elif not damage:
-            log.warning("disk tier %s: index read failed (%s); counted as a miss", self.path, e)
 
     # -- reads --------------------------------------------------------------------------------
     @contextmanager
@@ -365,13 +208,13 @@ class DiskTier:
         only inside the ``with`` block (they point into the segments' maps): copy what you keep.
         A damaged index makes every ``get`` a miss (None), never an exception."""
         self._served.clear()
-        if not self._usable():
+        if not self.index.usable():
             yield lambda h: None
             return
         try:
             txn = self.env.begin(buffers=True)
         except lmdb.Error as e:
-            self._index_error(e)
+            self.index.error(e)
             yield lambda h: None
             return
         try:
@@ -387,12 +230,13 @@ class DiskTier:
         try:
             return txn.get(key, db=db)
         except lmdb.Error as e:
-            self._index_error(e)
+            self.index.error(e)
             return None
 
-    def _entry(self, h: bytes, v) -> list | None:
-        """The parts of the entry that index value ``v`` points at, if its frame is ``h``'s."""
-        seg, off, lens = ix.location(v)
+    def parts_at(self, h: bytes, v) -> list | None:
+        """Views of the parts of the entry that index value ``v`` points at, if its frame is
+        ``h``'s; None if its bytes are missing, short or damaged."""
+        seg, off, lens = location(v)
         start = off + frame_size(len(h), len(lens))
         views = self.files.views(seg, off, [start - off + sum(lens)])
         if views is None:
@@ -402,16 +246,16 @@ class DiskTier:
         if got is None:
             return None     # the entry's own bytes are damaged
         if got[0] != h or tuple(got[1]) != tuple(lens):
-            self._index_error(TierDamaged(f"the index places {h.hex()} on another record"))
+            self.index.error(TierDamaged(f"the index places {h.hex()} on another record"))
             return None
         return self.files.views(seg, start, lens)
 
     def _getter(self, txn) -> Callable[[bytes], list | None]:
         def get(h: bytes) -> list | None:
-            v = self._get(txn, h, self._index)
+            v = self._get(txn, h, self._records)
             if v is None:
                 return None
-            views = self._entry(h, v)
+            views = self.parts_at(h, v)
             for _ in range(3):
                 if views is not None:
                     break
@@ -419,16 +263,16 @@ class DiskTier:
                 # unlinked the segment: look again in a fresh one before calling it damaged.
                 try:
                     with self.env.begin() as now:
-                        v2 = now.get(h, db=self._index)
+                        v2 = now.get(h, db=self._records)
                 except lmdb.Error as e:
-                    self._index_error(e)
+                    self.index.error(e)
                     return None
                 if v2 is None:
                     return None
                 if bytes(v2[LOC:]) == bytes(v[LOC:]):
                     break
                 v = v2
-                views = self._entry(h, v)
+                views = self.parts_at(h, v)
                 self.stats["relocated"] += 1
             if not self.readonly:       # for delete()'s check; readers never delete
                 self._served[h] = (self.stats["rebuilds"], bytes(v[LOC:]))
@@ -437,23 +281,23 @@ class DiskTier:
 
     def where(self, h: bytes) -> tuple[str, int, tuple[int, ...]] | None:
         """``(segment file, offset of the record's head, part lengths)`` of record ``h``."""
-        if not self._usable():
+        if not self.index.usable():
             return None
         with self.env.begin() as txn:
-            v = self._get(txn, h, self._index)
+            v = self._get(txn, h, self._records)
             if v is None:
                 return None
-            seg, off, lens = ix.location(v)
+            seg, off, lens = location(v)
         return self.files.path(seg), off + frame_size(len(h), len(lens)), lens
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
-        if not self._usable():
+        if not self.index.usable():
             return [False] * len(hashes)
         try:
-            with self.env.begin(db=self._index) as txn:
+            with self.env.begin(db=self._records) as txn:
                 return [txn.get(h) is not None for h in hashes]
         except lmdb.Error as e:
-            self._index_error(e)
+            self.index.error(e)
             return [False] * len(hashes)
 
     def prefix_count(self, hashes: Sequence[bytes]) -> int:
@@ -471,13 +315,13 @@ class DiskTier:
             self._touched[h] = None
 
     def _read_all(self, db, fn, default):
-        if not self._usable():
+        if not self.index.usable():
             return default
         try:
             with self.env.begin(db=db) as txn:
                 return fn(txn)
         except lmdb.Error as e:
-            self._index_error(e)
+            self.index.error(e)
             return default
 
     def keys_by_age(self) -> list[bytes]:
@@ -489,12 +333,12 @@ class DiskTier:
         return U64.unpack(v)[0] if v else 0
 
     def __len__(self) -> int:
-        return self._read_all(self._index, lambda txn: txn.stat(self._index)["entries"], 0)
+        return self._read_all(self._records, lambda txn: txn.stat(self._records)["entries"], 0)
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
         """``(hash, record bytes)`` of every page, parts joined, in one read snapshot."""
         with self.reader() as get:
-            keys = self._read_all(self._index, lambda txn: [bytes(k) for k in
+            keys = self._read_all(self._records, lambda txn: [bytes(k) for k in
                                   txn.cursor().iternext(values=False)], [])
             for k in keys:
                 parts = get(k)
@@ -553,7 +397,7 @@ class DiskTier:
                                  f"has {len(parts)}")
             if not 1 <= len(h) <= 0xFFFF:
                 raise ValueError(f"a key is 1 to 65535 bytes, got {len(h)}")
-        if not self._usable():
+        if not self.index.usable():
             return self._failed(OSError(errno.EIO, "the index is damaged"))
         try:
             n = self._write(items)
@@ -574,7 +418,7 @@ class DiskTier:
                         self._burst_errors)
             self._burst_errors = 0
         try:
-            self._reclaim()
+            reclaim(self)
         except (lmdb.Error, OSError) as e:
             self._note_error(e)      # the batch is stored; compaction tries again next time
         return n
@@ -585,8 +429,8 @@ class DiskTier:
 
     def _note_error(self, e: BaseException) -> None:
         self.stats["write_errors"] += 1
-        if isinstance(e, _DAMAGE) and self._damaged is None:
-            self._damaged = f"{type(e).__name__}: {e}"     # rebuilt before the next operation
+        if isinstance(e, DAMAGE) and self.index.damaged is None:
+            self.index.damaged = f"{type(e).__name__}: {e}"     # rebuilt before the next operation
         if not self._burst_errors:
             what = "disk full" if isinstance(e, lmdb.MapFullError) or (
                 isinstance(e, OSError) and e.errno == errno.ENOSPC) else "I/O error"
@@ -605,18 +449,19 @@ class DiskTier:
             touched, self._touched = self._touched, {}
             try:
                 for h in touched:
-                    seq = self._bump(txn, h, seq)
+                    seq = self.index.bump(txn, h, seq)
                 new, seen = [], set()
                 for h, parts in items:
                     if h in seen:
                         continue
                     seen.add(h)
-                    if txn.get(h, db=self._index) is not None:
-                        seq = self._bump(txn, h, seq)
+                    if txn.get(h, db=self._records) is not None:
+                        seq = self.index.bump(txn, h, seq)
                     else:
                         new.append((h, parts, sum(len(p) for p in parts)))
                 deltas: dict[int, list[int]] = {}
-                total, evicted = self._evict(txn, total, sum(n for _, _, n in new), deltas)
+                total, evicted = self.index.evict(txn, total, sum(n for _, _, n in new), self._cap,
+                                                 deltas)
                 keep = []
                 for h, parts, size in new:
                     if total + size > self._cap:
@@ -624,11 +469,11 @@ class DiskTier:
                     keep.append((h, parts, size))
                     total += size
                 if keep:
-                    self._index_entries(txn, [(h, p) for h, p, _ in keep],
+                    self.index.add(txn, [(h, p) for h, p, _ in keep],
                                         range(seq, seq + len(keep)), deltas)
                     seq += len(keep)
                     stored = len(keep)
-                freed = self._apply_seg_deltas(txn, deltas)
+                freed = self.index.settle(txn, deltas)
                 txn.put(b"seq", U64.pack(seq), db=self._meta)
                 txn.put(b"bytes", U64.pack(total), db=self._meta)
                 if self.before_commit is not None:
@@ -636,113 +481,18 @@ class DiskTier:
             except BaseException:
                 self._touched.update(touched)   # not recorded: try again with the next write
                 raise
-        self._unlink(freed)
+        self.index.unlink(freed)
         self.stats["evictions"] += evicted
         self.stats["writes"] += stored
         self.stats["write_bytes"] += sum(size for _, _, size in keep)
         return stored
-
-    def _index_entries(self, txn, entries, seqs, deltas) -> None:
-        """Append ``(key, parts)`` to the current segment and index them under access order
-        ``seqs`` (inside ``txn``, before its commit)."""
-        nxt = U64.unpack(txn.get(b"nextseg", db=self._meta) or U64.pack(1))[0]
-        created = self.files.created
-        seg, offs = self.files.append(entries, nxt)
-        self.stats["segments_created"] += self.files.created - created
-        txn.put(b"nextseg", U64.pack(max(nxt, seg + 1)), db=self._meta)
-        d = deltas.setdefault(seg, [0, 0])
-        for (h, parts), off, seq in zip(entries, offs, seqs):
-            lens = [len(p) for p in parts]
-            txn.put(h, ix.index_value(seq, sum(lens), seg, off, lens), db=self._index)
-            txn.put(SEQ.pack(seq), h, db=self._lru)
-            txn.put(SEQ.pack(seg) + h, b"", db=self._byseg)
-            d[0] += ix.entry_bytes(len(h), lens)
-            d[1] += 1
-
-    def _apply_seg_deltas(self, txn, deltas: dict[int, list[int]]) -> list[int]:
-        """Add ``[bytes, records]`` deltas to the segments' entries (the current segment's end
-        follows the write offset); returns the sealed segments left without a record, whose
-        entries are deleted here and whose files are unlinked after the commit."""
-        cur = self.files.current
-        if cur is not None:
-            deltas.setdefault(cur, [0, 0])
-        for s in self.files.sealed:
-            deltas.setdefault(s, [0, 0])
-        freed = []
-        for s, (db, dn) in deltas.items():
-            k = SEQ.pack(s)
-            v = txn.get(k, db=self._segs)
-            live, count, end = SEGV.unpack(v) if v else (0, 0, 0)
-            live, count = max(0, live + db), max(0, count + dn)
-            if s == cur:
-                end = self.files.offset
-            elif v is None:
-                freed.append(s)     # a sealed segment whose first batch never committed
-                continue
-            elif count == 0:
-                txn.delete(k, db=self._segs)
-                freed.append(s)
-                continue
-            txn.put(k, SEGV.pack(live, count, end), db=self._segs)
-        return freed
-
-    def _unlink(self, segs: list[int]) -> None:
-        """After a commit: unlink the segments it emptied (their entries are gone)."""
-        self.files.sealed.clear()
-        for s in segs:
-            self.files.unlink(s)
-            self.stats["segments_deleted"] += 1
-
-    def _bump(self, txn, h: bytes, seq: int) -> int:
-        v = txn.get(h, db=self._index)
-        if v is None:
-            return seq
-        old = U64.unpack_from(v, 0)[0]
-        txn.delete(SEQ.pack(old), db=self._lru)
-        txn.put(SEQ.pack(seq), h, db=self._lru)
-        txn.put(h, U64.pack(seq) + v[8:], db=self._index)
-        return seq + 1
-
-    def _drop(self, txn, h: bytes, v, deltas: dict[int, list[int]]) -> int:
-        """Delete record ``h`` (index value ``v``) everywhere; returns its size."""
-        seq, size = struct.unpack_from("<QQ", v, 0)
-        seg, _, lens = ix.location(v)
-        txn.delete(SEQ.pack(seq), db=self._lru)
-        txn.delete(h, db=self._index)
-        txn.delete(SEQ.pack(seg) + h, db=self._byseg)
-        d = deltas.setdefault(seg, [0, 0])
-        d[0] -= ix.entry_bytes(len(h), lens)
-        d[1] -= 1
-        return size
-
-    def _evict(self, txn, total: int, need: int, deltas) -> tuple[int, int]:
-        if total + need <= self._cap:
-            return total, 0
-        cur = txn.cursor(db=self._lru)
-        victims = []
-        ok = cur.first()
-        while ok and total + need > self._cap:
-            h = bytes(cur.value())
-            v = txn.get(h, db=self._index)
-            if v is None:
-                victims.append((h, None, bytes(cur.key())))
-            else:
-                victims.append((h, bytes(v), None))
-                total -= struct.unpack_from("<Q", v, 8)[0]
-            ok = cur.next()
-        for h, v, lru_key in victims:
-            if v is None:
-                txn.delete(lru_key, db=self._lru)
-            else:
-                self._drop(txn, h, v, deltas)
-        return total, len(victims)
 
     def delete(self, hashes: Sequence[bytes]) -> int:
         """Remove pages (found corrupt or mismatched); returns how many existed.
 
         A page this tier served from a location that has changed since (rewritten or moved
         by compaction) is kept: the bytes found bad were not the ones stored now."""
-        if not hashes or self.readonly or not self._usable():
+        if not hashes or self.readonly or not self.index.usable():
             return 0
         n = 0
         freed: list[int] = []
@@ -751,20 +501,20 @@ class DiskTier:
                 total = U64.unpack(txn.get(b"bytes", db=self._meta) or U64.pack(0))[0]
                 deltas: dict[int, list[int]] = {}
                 for h in hashes:
-                    v = txn.get(h, db=self._index)
+                    v = txn.get(h, db=self._records)
                     if v is not None:
                         served = self._served.get(h)
                         if served is not None and served != (self.stats["rebuilds"],
                                                               bytes(v[LOC:])):
                             continue    # moved, rewritten or re-indexed since it was read
-                        total -= self._drop(txn, h, bytes(v), deltas)
+                        total -= self.index.drop(txn, h, bytes(v), deltas)
                         n += 1
-                freed = self._apply_seg_deltas(txn, deltas)
+                freed = self.index.settle(txn, deltas)
                 txn.put(b"bytes", U64.pack(max(total, 0)), db=self._meta)
         except (lmdb.Error, OSError) as e:
             self._note_error(e)
             return 0
-        self._unlink(freed)
+        self.index.unlink(freed)
         self.stats["deleted"] += n
         return n
 
@@ -774,71 +524,6 @@ class DiskTier:
         capacity + slack (frames are not counted)."""
         return self.capacity_bytes + self.reclaim_slack
 
-    def _reclaim(self, max_rounds: int = 4) -> None:
-        """Compact while the segment files exceed :meth:`file_limit`: the sealed segment with the
-        most dead bytes has its live records re-appended to the current segment, then goes."""
-        for _ in range(max_rounds):
-            segs = self.segments()
-            # frames do not count against the capacity: dead bytes + live records vs the limit
-            dead = sum(end - live for live, _, end in segs.values())
-            if dead + self.stored_bytes() <= self.file_limit():
-                return
-            sealed = [(end - live, s) for s, (live, _, end) in segs.items()
-                      if s != self.files.current and end > live]
-            if not sealed:
-                return
-            self._compact(max(sealed)[1])
-
-    def _compact(self, victim: int) -> None:
-        with self.env.begin(buffers=True) as txn:
-            cur = txn.cursor(db=self._byseg)
-            prefix = SEQ.pack(victim)
-            moves = []
-            ok = cur.set_range(prefix)
-            while ok:
-                k = bytes(cur.key())
-                if not k.startswith(prefix):
-                    break
-                h = k[len(prefix):]
-                v = txn.get(h, db=self._index)
-                if v is not None:
-                    moves.append((h, bytes(v)))
-                ok = cur.next()
-        lost, entries, keep = [], [], []
-        for h, v in moves:
-            parts = self._entry(h, v)
-            if parts is None:
-                lost.append((h, v))    # its bytes are gone: drop it (a read would miss anyway)
-            else:
-                entries.append((h, parts))
-                keep.append((h, v))
-            parts = None
-        freed: list[int] = []
-        with self.env.begin(write=True) as txn:
-            deltas: dict[int, list[int]] = {}
-            total = U64.unpack(txn.get(b"bytes", db=self._meta) or U64.pack(0))[0]
-            for (h, v) in lost:
-                if txn.get(h, db=self._index) == v:
-                    total -= self._drop(txn, h, v, deltas)
-                    self.stats["deleted"] += 1
-            seqs = []
-            for h, v in keep:
-                if bytes(txn.get(h, db=self._index) or b"") != v:
-                    raise RuntimeError("a record changed under compaction (one writer only)")
-                seqs.append(U64.unpack_from(v, 0)[0])
-                self._drop(txn, h, v, deltas)
-            if entries:
-                self._index_entries(txn, entries, seqs, deltas)   # same access order
-                self.stats["moved_records"] += len(entries)
-                self.stats["moved_bytes"] += sum(sum(len(p) for p in ps) for _, ps in entries)
-            entries.clear()
-            txn.put(b"bytes", U64.pack(max(total, 0)), db=self._meta)
-            deltas.setdefault(victim, [0, 0])
-            freed = self._apply_seg_deltas(txn, deltas)
-        self.files.forget(victim)
-        self._unlink(freed)
-        self.stats["compactions"] += 1
-
     def flush(self) -> None:
         """Write pending access-order updates (called by :meth:`close`)."""
         if self._touched and not self.readonly:
@@ -846,17 +531,11 @@ class DiskTier:
 
     def info(self) -> dict:
         segs = self.segments()
-        ok = self._usable()
+        ok = self.index.usable()
         return {"path": self.path, "pages": len(self), "stored_bytes": self.stored_bytes(),
                 "capacity_bytes": self.capacity_bytes, "effective_capacity_bytes": self._cap,
                 "map_size": self.env.info()["map_size"] if ok else None,
-                "page_size_lmdb": self._psize, "layout": ix.LAYOUT,
+                "page_size_lmdb": self.index.psize, "layout": LAYOUT,
                 "segments": len(segs), "segment_file_bytes": sum(e for _, _, e in segs.values()),
                 "segment_live_bytes": sum(b for b, _, _ in segs.values()),
-                "index_damaged": self._damaged, "opened": time.time()}
-
-
-class _LayoutError(Exception):
-    def __init__(self, kind, message: str):
-        super().__init__(message)
-        self.kind = kind
+                "index_damaged": self.index.damaged, "opened": time.time()}

@@ -163,7 +163,7 @@ def test_parts_are_stored_apart_and_read_back_in_order(tmp_path):
         assert d.stored_bytes() == sum(len(p) for p in parts)
         d.delete([_key(1)])
         with d.env.begin() as txn:
-            assert txn.stat(d._index)["entries"] == txn.stat(d._byseg)["entries"] == 0
+            assert txn.stat(d._records)["entries"] == txn.stat(d._byseg)["entries"] == 0
         assert d.segments() == {seg: (0, 0, entry)}  # the current segment stays while open
     with DiskTier(tmp_path / "d", map_size=1 << 22) as d:   # ... and goes when a writer opens
         assert d.segments() == {} and os.listdir(d.segdir) == []
@@ -230,7 +230,7 @@ def _ids(keys) -> list[int]:
 
 def _where(d, i: int) -> tuple[int, int]:
     with d.env.begin() as txn:
-        seg, off, _ = diskindex.location(txn.get(_key(i), db=d._index))
+        seg, off, _ = diskindex.location(txn.get(_key(i), db=d._records))
     return seg, off
 
 

@@ -274,7 +274,7 @@ def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
     with s.disk.env.begin() as txn:
         for p, prompt in enumerate(prompts):
             for i, h in enumerate(page_hashes(s.ns, prompt)):
-                where[diskindex.location(txn.get(h, db=s.disk._index))] = (p, i, h)
+                where[diskindex.location(txn.get(h, db=s.disk._records))] = (p, i, h)
     (seg, _, _), (p, i, h) = max(where.items())     # the record at the end of a segment
     _, off, lens = s.disk.where(h)
     assert len(s.disk.segments()) == 1
@@ -284,7 +284,7 @@ def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
     assert st["checksum_failures"] == 1 and st["mismatches"] == 0
     assert s.disk.contains([h]) == [False]
     with s.disk.env.begin() as txn:                                   # its index entries are gone
-        assert txn.get(h, db=s.disk._index) is None
+        assert txn.get(h, db=s.disk._records) is None
         assert txn.get(seg.to_bytes(8, "big") + h, db=s.disk._byseg) is None
     s.tiers.close()
 

@@ -16,7 +16,8 @@ import pytest
 from kvstrata.pagepool import page_hashes
 from kvstrata.testing import damage
 from kvstrata.tiers import DiskTier, TierDamaged
-from kvstrata.tiers.diskindex import check_file, walk
+from kvstrata.tiers.diskindex import walk_index
+from kvstrata.tiers.lmdbcheck import check_file
 
 from tierutil import PAGE, Stack
 
@@ -49,7 +50,7 @@ def _all_served(s: Stack, prompts) -> None:
 DAMAGE = {
     "page type bits": lambda path: damage.flip_page_type(
         path, damage.some_pages(path, 4, random.Random(1))),
-    "index root page": lambda path: damage.damage_root(path, b"index"),
+    "records root page": lambda path: damage.damage_root(path, b"records"),
     "lru root page": lambda path: damage.damage_root(path, b"lru"),
     "one meta page": lambda path: damage.damage_meta(path, (1,)),
     "both meta pages": lambda path: damage.damage_meta(path),
@@ -64,7 +65,7 @@ def test_damaged_index_at_open_is_rebuilt_and_every_page_served(tmp_path, kind, 
     s.tiers.close()
     DAMAGE[kind](s.path)
     if kind != "deleted":
-        assert check_file(os.path.join(s.path, "data.mdb")) or walk(str(s.path))[0]
+        assert check_file(os.path.join(s.path, "data.mdb")) or walk_index(str(s.path))
     with pytest.raises(TierDamaged):                   # a reader says what is wrong ...
         DiskTier(s.path, readonly=True).close()
     with caplog.at_level(logging.WARNING, "kvstrata.tiers.disk"):
@@ -74,10 +75,10 @@ def test_damaged_index_at_open_is_rebuilt_and_every_page_served(tmp_path, kind, 
     _all_served(s2, prompts)
     assert s2.tiers.stats()["checksum_failures"] == 0
     s2.tiers.close()
-    assert check_file(os.path.join(s.path, "data.mdb")) is None and walk(str(s.path))[0] is None
+    assert check_file(os.path.join(s.path, "data.mdb")) is None and walk_index(str(s.path)) is None
 
 
-@pytest.mark.parametrize("kind", ["page type bits", "index root page", "truncated", "deleted",
+@pytest.mark.parametrize("kind", ["page type bits", "records root page", "truncated", "deleted",
                                   "both meta pages"])
 def test_damaged_index_under_a_running_stack_is_a_miss_then_rebuilt(tmp_path, kind, caplog):
     s, prompts = _filled(tmp_path)
@@ -87,7 +88,7 @@ def test_damaged_index_under_a_running_stack_is_a_miss_then_rebuilt(tmp_path, ki
         s.pool.evict(s.pool.num_cached)
         _all_served(s, prompts[1:])
     st = s.disk.stats
-    if kind in ("page type bits", "index root page", "truncated"):
+    if kind in ("page type bits", "records root page", "truncated"):
         assert first.cached_from.get("lower", 0) == 0 and st["index_errors"] >= 1
         assert st["rebuilds"] == 1 and st["rebuilt_records"] == 12
         assert len([r for r in caplog.records if "the index is damaged" in r.message]) == 2
@@ -164,7 +165,7 @@ def test_unclean_shutdown_walks_the_index_in_a_child(tmp_path):
     open(os.path.join(s.path, "writer.active"), "w").close()   # as a killed writer leaves it
     with DiskTier(s.path, map_size=1 << 24) as d:
         assert d.stats["rebuilds"] == 1 and len(d) == 12
-    assert walk(str(s.path))[0] is None
+    assert walk_index(str(s.path)) is None
 
 
 def test_rebuild_impossible_moves_the_files_aside_and_starts_empty(tmp_path, monkeypatch, caplog):
@@ -190,9 +191,9 @@ def test_a_walk_that_dies_reports_the_signal_and_the_writer_rebuilds(tmp_path, m
     caught in-process, so the walk runs in a child whose death is the verdict."""
     s, prompts = _filled(tmp_path)
     s.tiers.close()
-    from kvstrata.tiers import diskindex
-    monkeypatch.setattr(diskindex, "_WALK", "import os; os.abort()")
-    problem, _ = walk(str(s.path))
+    from kvstrata.tiers import lmdbcheck
+    monkeypatch.setattr(lmdbcheck, "_WALK", "import os; os.abort()")
+    problem = walk_index(str(s.path))
     assert problem == "reading the index killed the reading process (signal 6)"
     with DiskTier(s.path, map_size=1 << 24, check=True) as d:
         assert d.stats["rebuilds"] == 1 and len(d) == 12
