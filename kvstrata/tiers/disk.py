@@ -236,7 +236,11 @@ class DiskTier:
     def parts_at(self, h: bytes, v) -> list | None:
         """Views of the parts of the entry that index value ``v`` points at, if its frame is
         ``h``'s; None if its bytes are missing, short or damaged."""
-        seg, off, lens = location(v)
+        try:
+            seg, off, lens = location(v)
+        except TierDamaged as e:
+            self.index.error(e)
+            return None
         start = off + frame_size(len(h), len(lens))
         views = self.files.views(seg, off, [start - off + sum(lens)])
         if views is None:
@@ -287,7 +291,11 @@ class DiskTier:
             v = self._get(txn, h, self._records)
             if v is None:
                 return None
-            seg, off, lens = location(v)
+            try:
+                seg, off, lens = location(v)
+            except TierDamaged as e:
+                self.index.error(e)
+                return None
         return self.files.path(seg), off + frame_size(len(h), len(lens)), lens
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
@@ -408,10 +416,10 @@ class DiskTier:
             try:
                 self._write([])
                 n = self._write(items)
-            except (lmdb.Error, OSError) as e2:
+            except (lmdb.Error, OSError, TierDamaged) as e2:
                 return self._failed(e2)
             self._note_error(e)
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, TierDamaged) as e:
             return self._failed(e)
         if self._burst_errors:
             log.warning("disk tier %s: writes succeed again after %d failures", self.path,
@@ -419,7 +427,7 @@ class DiskTier:
             self._burst_errors = 0
         try:
             reclaim(self)
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, TierDamaged) as e:
             self._note_error(e)      # the batch is stored; compaction tries again next time
         return n
 
@@ -429,7 +437,7 @@ class DiskTier:
 
     def _note_error(self, e: BaseException) -> None:
         self.stats["write_errors"] += 1
-        if isinstance(e, DAMAGE) and self.index.damaged is None:
+        if isinstance(e, (TierDamaged, *DAMAGE)) and self.index.damaged is None:
             self.index.damaged = f"{type(e).__name__}: {e}"     # rebuilt before the next operation
         if not self._burst_errors:
             what = "disk full" if isinstance(e, lmdb.MapFullError) or (
@@ -511,7 +519,7 @@ class DiskTier:
                         n += 1
                 freed = self.index.settle(txn, deltas)
                 txn.put(b"bytes", U64.pack(max(total, 0)), db=self._meta)
-        except (lmdb.Error, OSError) as e:
+        except (lmdb.Error, OSError, TierDamaged) as e:
             self._note_error(e)
             return 0
         self.index.unlink(freed)

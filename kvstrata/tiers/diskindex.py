@@ -276,6 +276,7 @@ class DiskIndex:
         v = txn.get(h, db=self.dbs[b"records"])
         if v is None:
             return seq
+        location(v)                     # (raises TierDamaged on a malformed value)
         old = U64.unpack_from(v, 0)[0]
         txn.delete(SEQ.pack(old), db=self.dbs[b"lru"])
         txn.put(SEQ.pack(seq), h, db=self.dbs[b"lru"])
@@ -284,8 +285,8 @@ class DiskIndex:
 
     def drop(self, txn, h: bytes, v, deltas: dict[int, list[int]]) -> int:
         """Delete record ``h`` (index value ``v``) everywhere; returns its size."""
+        seg, _, lens = location(v)     # (raises TierDamaged on a malformed value)
         seq, size = struct.unpack_from("<QQ", v, 0)
-        seg, _, lens = location(v)
         txn.delete(SEQ.pack(seq), db=self.dbs[b"lru"])
         txn.delete(h, db=self.dbs[b"records"])
         txn.delete(SEQ.pack(seg) + h, db=self.dbs[b"byseg"])
@@ -308,6 +309,7 @@ class DiskIndex:
             if v is None:
                 victims.append((h, None, bytes(cur.key())))
             else:
+                location(v)             # (raises TierDamaged on a malformed value)
                 victims.append((h, bytes(v), None))
                 total -= struct.unpack_from("<Q", v, 8)[0]
             ok = cur.next()

@@ -43,9 +43,12 @@ def index_value(seq: int, size: int, seg: int, off: int, lens) -> bytes:
 
 
 def location(v) -> tuple[int, int, tuple[int, ...]]:
-    """``(segment, frame offset, part lengths)`` of an index value."""
+    """``(segment, frame offset, part lengths)`` of an index value; :class:`TierDamaged` if the
+    value is malformed (damage the walk did not see)."""
+    n, rest = divmod(len(v) - IDX.size, 8)
+    if n < 1 or rest:
+        raise TierDamaged(f"an index value of {len(v)} bytes")
     _, _, seg, off = IDX.unpack_from(v, 0)
-    n = (len(v) - IDX.size) // 8
     return seg, off, struct.unpack_from(f"<{n}Q", v, IDX.size)
 
 

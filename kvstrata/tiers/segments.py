@@ -178,17 +178,21 @@ class Segments:
         """A read-only map of segment ``seg`` covering ``[0, end)``; None if the file is missing
         or shorter (reclaimed, or damaged)."""
         m = self._maps.get(seg)
-        if m is not None and len(m) >= end:
-            return m
         try:
+            # NOTE: a map read past the end of its file raises SIGBUS: the file must still hold
+            # what the map covers (one stat; a cut file is a miss, never a dead process).
+            if m is not None and len(m) >= end and os.stat(self.path(seg)).st_size >= end:
+                return m
             fd = os.open(self.path(seg), os.O_RDONLY)
-        except FileNotFoundError:
+        except OSError:         # gone (reclaimed), or unreadable: a miss either way
             return None
         try:
             size = os.fstat(fd).st_size
             if size < end or size == 0:
                 return None
             new = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
         finally:
             os.close(fd)
         if m is not None:

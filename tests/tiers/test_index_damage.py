@@ -197,3 +197,33 @@ def test_a_walk_that_dies_reports_the_signal_and_the_writer_rebuilds(tmp_path, m
     assert problem == "reading the index killed the reading process (signal 6)"
     with DiskTier(s.path, map_size=1 << 24, check=True) as d:
         assert d.stats["rebuilds"] == 1 and len(d) == 12
+
+
+def test_a_malformed_index_value_is_a_counted_miss_then_rebuilt(tmp_path):
+    """Damage the walk would catch but a clean open does not look for: a value cut short."""
+    s, prompts = _filled(tmp_path)
+    victim = s.disk.keys_by_age()[0]
+    with s.disk.env.begin(write=True) as txn:
+        txn.put(victim, b"\0" * 12, db=s.disk._records)
+    want = [hs.index(victim) if victim in hs else PAGES
+            for hs in (page_hashes(s.ns, p)[:PAGES] for p in prompts)]
+    got = [s.run(p).cached_from.get("lower", 0) for p in prompts]
+    assert [min(g, w) for g, w in zip(got, want)] == want     # a miss at the victim at most
+    assert s.disk.stats["index_errors"] >= 1 and s.disk.stats["rebuilds"] == 1
+    s.pool.evict(s.pool.num_cached)
+    s.tiers.drain_host()
+    _all_served(s, prompts)                 # the rebuilt index serves the victim again
+    s.tiers.close()
+
+
+def test_a_segment_cut_under_a_live_map_is_a_miss_not_a_bus_error(tmp_path):
+    s, prompts = _filled(tmp_path)
+    _all_served(s, prompts[:1])             # maps the segment
+    s.tiers.drain_host()
+    s.pool.evict(s.pool.num_cached)
+    (seg,) = s.disk.segments()
+    os.truncate(s.disk.files.path(seg), 100)
+    for p in prompts:
+        assert s.run(p).cached_from.get("lower", 0) == 0
+    assert s.tiers.stats()["checksum_failures"] >= 1
+    s.tiers.close()
