@@ -241,18 +241,22 @@ class DiskTier:
         except TierDamaged as e:
             self.index.error(e)
             return None
-        start = off + frame_size(len(h), len(lens))
-        views = self.files.views(seg, off, [start - off + sum(lens)])
+        head = frame_size(len(h), len(lens))
+        views = self.files.views(seg, off, [head + sum(lens)])
         if views is None:
             return None
-        got = read_frame(views[0], 0)
-        views = None
+        (entry,) = views
+        got = read_frame(entry, 0)
         if got is None:
             return None     # the entry's own bytes are damaged
-        if got[0] != h or tuple(got[1]) != tuple(lens):
+        if got[0] != h or got[1] != lens:
             self.index.error(TierDamaged(f"the index places {h.hex()} on another record"))
             return None
-        return self.files.views(seg, start, lens)
+        parts = []
+        for n in lens:
+            parts.append(entry[head:head + n])
+            head += n
+        return parts
 
     def _getter(self, txn) -> Callable[[bytes], list | None]:
         def get(h: bytes) -> list | None:

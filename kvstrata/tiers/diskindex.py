@@ -197,10 +197,10 @@ class DiskIndex:
         self.stats["rebuilds"] += 1
         self.stats["rebuilt_records"] += got["kept"]
         log.warning("disk tier %s: the index is damaged (%s); rebuilt it from %d segment files "
-                    "(%.1f MB) in %.2f s: %d records kept, %d damaged stretches skipped; the "
-                    "damaged file is kept as data.mdb.damaged", self.path, problem,
-                    got["segments"], got["segment_bytes"] / 1e6, got["seconds"], got["kept"],
-                    got["damaged"])
+                    "(%.1f MB) in %.2f s: %d records kept, %d damaged stretches skipped%s",
+                    self.path, problem, got["segments"], got["segment_bytes"] / 1e6,
+                    got["seconds"], got["kept"], got["damaged"],
+                    "; the damaged file is kept as data.mdb.damaged" if got["kept_old"] else "")
 
     def check(self) -> str | None:
         """Check the file and walk the whole index in a child process; what is damaged, or None."""

@@ -55,7 +55,8 @@ def rebuild(path: str, segments: Segments, capacity: int, map_size: int) -> dict
     os.makedirs(tmp)
     kept, nbytes = build(tmp, entries, ends, (ids[-1] + 1) if ids else 1, capacity, map_size)
     mdb = os.path.join(path, MDB)
-    if os.path.exists(mdb):
+    kept_old = os.path.exists(mdb)
+    if kept_old:
         os.replace(mdb, mdb + ".damaged")
     try:
         os.unlink(os.path.join(path, "lock.mdb"))   # its reader table belongs to the old file
@@ -64,7 +65,7 @@ def rebuild(path: str, segments: Segments, capacity: int, map_size: int) -> dict
     os.replace(os.path.join(tmp, MDB), mdb)
     shutil.rmtree(tmp, ignore_errors=True)
     _fsync_dir(path)
-    totals.update(kept=kept, kept_bytes=nbytes, seconds=time.perf_counter() - t0)
+    totals.update(kept=kept, kept_bytes=nbytes, kept_old=kept_old, seconds=time.perf_counter() - t0)
     return totals
 
 

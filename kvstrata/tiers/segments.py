@@ -81,6 +81,8 @@ def scan(path: str, verify: Callable[[Sequence], bool] = record_verifies
         if size == 0:
             return [], 0
         m = mmap.mmap(f.fileno(), size, mmap.MAP_SHARED, mmap.PROT_READ)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):
+        m.madvise(mmap.MADV_SEQUENTIAL)     # one pass front to back: read ahead, drop behind
     out, damaged, pos = [], 0, 0
     try:
         mv = memoryview(m)
@@ -148,6 +150,7 @@ class Segments:
         self.segment_bytes = segment_bytes
         self.sync = sync
         self._maps: dict[int, mmap.mmap] = {}  # segment id -> read-only map
+        self._fds: dict[int, int] = {}         # segment id -> its file, for the size check
         self._retired: list[mmap.mmap] = []    # maps still exported to a caller's views
         self.current: int | None = None        # the segment this writer appends to
         self._fd = -1
@@ -178,26 +181,33 @@ class Segments:
         """A read-only map of segment ``seg`` covering ``[0, end)``; None if the file is missing
         or shorter (reclaimed, or damaged)."""
         m = self._maps.get(seg)
-        try:
+        if m is not None and len(m) >= end:
             # NOTE: a map read past the end of its file raises SIGBUS: the file must still hold
-            # what the map covers (one stat; a cut file is a miss, never a dead process).
-            if m is not None and len(m) >= end and os.stat(self.path(seg)).st_size >= end:
-                return m
+            # what the map covers (one fstat; a cut file is a miss, never a dead process).
+            try:
+                if os.fstat(self._fds[seg]).st_size >= end:
+                    return m
+            except OSError:
+                pass
+            return None
+        try:
             fd = os.open(self.path(seg), os.O_RDONLY)
         except OSError:         # gone (reclaimed), or unreadable: a miss either way
             return None
         try:
             size = os.fstat(fd).st_size
             if size < end or size == 0:
+                os.close(fd)
                 return None
             new = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         except (OSError, ValueError):
-            return None
-        finally:
             os.close(fd)
+            return None
         if m is not None:
             self._drop_map(m)
+            os.close(self._fds.pop(seg))
         self._maps[seg] = new
+        self._fds[seg] = fd
         return new
 
     def views(self, seg: int, off: int, lens: Sequence[int]) -> list | None:
@@ -231,6 +241,7 @@ class Segments:
         m = self._maps.pop(seg, None)
         if m is not None:
             self._drop_map(m)
+            os.close(self._fds.pop(seg))
         if self._retired:
             keep = []
             for m in self._retired:
@@ -325,5 +336,8 @@ class Segments:
                 m.close()
             except BufferError:
                 pass        # a caller still holds a view; the map goes with it
+        for fd in self._fds.values():
+            os.close(fd)
         self._maps.clear()
+        self._fds.clear()
         self._retired.clear()
