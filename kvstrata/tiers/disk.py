@@ -217,6 +217,7 @@ class DiskTier:
             self.index.error(e)
             yield lambda h: None
             return
+        self.index.busy += 1
         try:
             if self.readonly:
                 for s in self.files.mapped():
@@ -224,6 +225,7 @@ class DiskTier:
                         self.files.forget(s)     # unlinked by the writer since it was mapped
             yield self._getter(txn)
         finally:
+            self.index.busy -= 1
             txn.abort()
 
     def _get(self, txn, key: bytes, db):
@@ -348,10 +350,11 @@ class DiskTier:
         return self._read_all(self._records, lambda txn: txn.stat(self._records)["entries"], 0)
 
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
-        """``(hash, record bytes)`` of every page, parts joined, in one read snapshot."""
+        """``(hash, record bytes)`` of every page, parts joined (the keys of one snapshot, read
+        in the next: a record deleted in between is left out)."""
+        keys = self._read_all(self._records, lambda txn: [bytes(k) for k in
+                              txn.cursor().iternext(values=False)], [])
         with self.reader() as get:
-            keys = self._read_all(self._records, lambda txn: [bytes(k) for k in
-                                  txn.cursor().iternext(values=False)], [])
             for k in keys:
                 parts = get(k)
                 if parts is not None:

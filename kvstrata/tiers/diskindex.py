@@ -73,6 +73,8 @@ class DiskIndex:
         #: what the last rebuild (or move aside) was for; None if there was none
         self.repaired: str | None = None
         self._fd = -1               # data.mdb, for the size check before every read
+        #: read transactions open now; a rebuild waits until none is (it closes the environment)
+        self.busy = 0
         self.psize = 4096
 
     @property
@@ -327,7 +329,7 @@ class DiskIndex:
         SIGBUS)."""
         if self.env is None:
             return False
-        if self.damaged and not self.readonly:
+        if self.damaged and not self.readonly and not self.busy:
             problem, self.damaged = self.damaged, None
             self.recover(problem)
         size = os.fstat(self._fd).st_size

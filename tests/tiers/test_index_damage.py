@@ -227,3 +227,33 @@ def test_a_segment_cut_under_a_live_map_is_a_miss_not_a_bus_error(tmp_path):
         assert s.run(p).cached_from.get("lower", 0) == 0
     assert s.tiers.stats()["checksum_failures"] >= 1
     s.tiers.close()
+
+
+def test_repair_on_request_and_a_sound_index(tmp_path):
+    s, prompts = _filled(tmp_path)
+    assert s.disk.repair() is None and s.disk.stats["rebuilds"] == 0
+    damage.flip_page_type(s.path, [damage.root_page(s.path, b"byseg")])
+    problem = s.disk.repair()           # the walk finds what no read has met yet
+    assert problem.startswith("reading the index failed") and s.disk.stats["rebuilds"] == 1
+    assert s.disk.repair(force=True) is None and s.disk.stats["rebuilds"] == 2
+    _all_served(s, prompts)
+    s.tiers.close()
+    with pytest.raises(ValueError, match="readonly"):
+        with DiskTier(s.path, readonly=True) as r:
+            r.repair()
+
+
+def test_a_newer_layout_is_refused_in_one_line(tmp_path):
+    import lmdb
+    with DiskTier(tmp_path / "d", map_size=1 << 22):
+        pass
+    env = lmdb.open(str(tmp_path / "d"), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"layout", (5).to_bytes(8, "little"), db=env.open_db(b"meta", txn=txn))
+    env.close()
+    for readonly in (True, False):
+        with pytest.raises(ValueError, match=r"newer kvstrata \(disk layout 5\)"):
+            DiskTier(tmp_path / "d", map_size=1 << 22, readonly=readonly)
+    with pytest.raises(ValueError, match="newer kvstrata"):     # (the writer lock was released)
+        DiskTier(tmp_path / "d", map_size=1 << 22)
+    assert "data.mdb" in os.listdir(tmp_path / "d")               # left as it was
