@@ -85,12 +85,13 @@ def damage_root(path, name: bytes) -> None:
     _edit(path, lambda fd, ps: os.pwrite(fd, bytes(16), pg * ps))
 
 
-def random_bytes(path, n: int, rng: random.Random) -> None:
-    """Overwrite ``n`` random bytes past the meta pages with random values."""
+def random_bytes(path, n: int, rng: random.Random, metas: bool = False) -> None:
+    """Overwrite ``n`` random bytes past the meta pages (``metas``: anywhere) with random
+    values."""
     def fn(fd, ps):
         size = os.fstat(fd).st_size
         for _ in range(n):
-            os.pwrite(fd, bytes([rng.randrange(256)]), rng.randrange(2 * ps, size))
+            os.pwrite(fd, bytes([rng.randrange(256)]), rng.randrange(0 if metas else 2 * ps, size))
     _edit(path, fn)
 
 

@@ -10,7 +10,7 @@ segment follows the record to its new place (:meth:`~kvstrata.tiers.DiskTier.rea
 
 from __future__ import annotations
 
-from .diskschema import SEQ, U64
+from .diskschema import SEQ, U64, key_of, record_value, u64
 
 
 def reclaim(tier, max_rounds: int = 4) -> None:
@@ -39,13 +39,13 @@ def compact(tier, victim: int) -> None:
         moves = []
         ok = cur.set_range(prefix)
         while ok:
-            k = bytes(cur.key())
+            k = key_of(cur.key())
             if not k.startswith(prefix):
                 break
             h = k[len(prefix):]
             v = txn.get(h, db=tier.index.dbs[b"records"])
             if v is not None:
-                moves.append((h, bytes(v)))
+                moves.append((h, record_value(v)))
             ok = cur.next()
     lost, entries, keep = [], [], []
     for h, v in moves:
@@ -57,16 +57,16 @@ def compact(tier, victim: int) -> None:
             keep.append((h, v))
         parts = None
     freed: list[int] = []
-    with tier.env.begin(write=True) as txn:
+    with tier.env.begin(write=True, buffers=True) as txn:
         deltas: dict[int, list[int]] = {}
-        total = U64.unpack(txn.get(b"bytes", db=tier.index.dbs[b"meta"]) or U64.pack(0))[0]
+        total = u64(txn.get(b"bytes", db=tier.index.dbs[b"meta"]), 0)
         for (h, v) in lost:
-            if txn.get(h, db=tier.index.dbs[b"records"]) == v:
+            if _current(txn, tier, h) == v:
                 total -= tier.index.drop(txn, h, v, deltas)
                 tier.stats["deleted"] += 1
         seqs = []
         for h, v in keep:
-            if bytes(txn.get(h, db=tier.index.dbs[b"records"]) or b"") != v:
+            if _current(txn, tier, h) != v:
                 raise RuntimeError("a record changed under compaction (one writer only)")
             seqs.append(U64.unpack_from(v, 0)[0])
             tier.index.drop(txn, h, v, deltas)
@@ -81,3 +81,8 @@ def compact(tier, victim: int) -> None:
     tier.files.forget(victim)
     tier.index.unlink(freed)
     tier.stats["compactions"] += 1
+
+
+def _current(txn, tier, h: bytes) -> bytes | None:
+    v = txn.get(h, db=tier.index.dbs[b"records"])
+    return None if v is None else record_value(v)

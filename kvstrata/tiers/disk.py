@@ -52,12 +52,12 @@ import lmdb
 
 from .compaction import reclaim
 from .diskindex import DiskIndex
-from .diskschema import DAMAGE, LAYOUT, LOC, SEGV, SEQ, U64, TierDamaged, location
-from .segments import DEFAULT_SEGMENT_BYTES, Segments, frame_size, read_frame
+from .diskschema import (DAMAGE, LAYOUT, LOC, MAX_KEY, MAX_PARTS, SEQ, U64, TierDamaged, key_of,
+                         location, record_value, seg_id, seg_value, u64)
+from .segments import DEFAULT_SEGMENT_BYTES, MAGIC, Segments, frame_size, read_frame
 
 log = logging.getLogger(__name__)
 
-MAX_PARTS = 257                     # head + 256 payloads
 
 
 class DiskTier:
@@ -235,6 +235,17 @@ class DiskTier:
             self.index.error(e)
             return None
 
+    def _record(self, txn, h: bytes) -> bytes | None:
+        """Record ``h``'s index value, checked and copied; None if absent or damaged."""
+        v = self._get(txn, h, self._records)
+        if v is None:
+            return None
+        try:
+            return record_value(v)
+        except TierDamaged as e:
+            self.index.error(e)
+            return None
+
     def parts_at(self, h: bytes, v) -> list | None:
         """Views of the parts of the entry that index value ``v`` points at, if its frame is
         ``h``'s; None if its bytes are missing, short or damaged."""
@@ -249,9 +260,9 @@ class DiskTier:
             return None
         (entry,) = views
         got = read_frame(entry, 0)
-        if got is None:
-            return None     # the entry's own bytes are damaged
-        if got[0] != h or got[1] != lens:
+        if got is None and entry[:4] == MAGIC:
+            return None     # the entry's own frame is damaged
+        if got is None or got[0] != h or got[1] != lens:
             self.index.error(TierDamaged(f"the index places {h.hex()} on another record"))
             return None
         parts = []
@@ -262,7 +273,7 @@ class DiskTier:
 
     def _getter(self, txn) -> Callable[[bytes], list | None]:
         def get(h: bytes) -> list | None:
-            v = self._get(txn, h, self._records)
+            v = self._record(txn, h)
             if v is None:
                 return None
             views = self.parts_at(h, v)
@@ -272,8 +283,8 @@ class DiskTier:
                 # The snapshot may be older than a compaction that moved the record and
                 # unlinked the segment: look again in a fresh one before calling it damaged.
                 try:
-                    with self.env.begin() as now:
-                        v2 = now.get(h, db=self._records)
+                    with self.env.begin(buffers=True) as now:
+                        v2 = self._record(now, h)
                 except lmdb.Error as e:
                     self.index.error(e)
                     return None
@@ -293,22 +304,18 @@ class DiskTier:
         """``(segment file, offset of the record's head, part lengths)`` of record ``h``."""
         if not self.index.usable():
             return None
-        with self.env.begin() as txn:
-            v = self._get(txn, h, self._records)
-            if v is None:
-                return None
-            try:
-                seg, off, lens = location(v)
-            except TierDamaged as e:
-                self.index.error(e)
-                return None
+        with self.env.begin(buffers=True) as txn:
+            v = self._record(txn, h)
+        if v is None:
+            return None
+        seg, off, lens = location(v)
         return self.files.path(seg), off + frame_size(len(h), len(lens)), lens
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         if not self.index.usable():
             return [False] * len(hashes)
         try:
-            with self.env.begin(db=self._records) as txn:
+            with self.env.begin(db=self._records, buffers=True) as txn:
                 return [txn.get(h) is not None for h in hashes]
         except lmdb.Error as e:
             self.index.error(e)
@@ -332,19 +339,18 @@ class DiskTier:
         if not self.index.usable():
             return default
         try:
-            with self.env.begin(db=db) as txn:
+            with self.env.begin(db=db, buffers=True) as txn:
                 return fn(txn)
-        except lmdb.Error as e:
+        except (lmdb.Error, TierDamaged) as e:
             self.index.error(e)
             return default
 
     def keys_by_age(self) -> list[bytes]:
         """Page hashes, least recently accessed first."""
-        return self._read_all(self._lru, lambda txn: [bytes(v) for _, v in txn.cursor()], [])
+        return self._read_all(self._lru, lambda txn: [key_of(v) for _, v in txn.cursor()], [])
 
     def stored_bytes(self) -> int:
-        v = self._read_all(self._meta, lambda txn: txn.get(b"bytes"), None)
-        return U64.unpack(v)[0] if v else 0
+        return self._read_all(self._meta, lambda txn: u64(txn.get(b"bytes"), 0), 0)
 
     def __len__(self) -> int:
         return self._read_all(self._records, lambda txn: txn.stat(self._records)["entries"], 0)
@@ -352,7 +358,7 @@ class DiskTier:
     def iter_records(self) -> Iterator[tuple[bytes, bytes]]:
         """``(hash, record bytes)`` of every page, parts joined (the keys of one snapshot, read
         in the next: a record deleted in between is left out)."""
-        keys = self._read_all(self._records, lambda txn: [bytes(k) for k in
+        keys = self._read_all(self._records, lambda txn: [key_of(k) for k in
                               txn.cursor().iternext(values=False)], [])
         with self.reader() as get:
             for k in keys:
@@ -362,7 +368,7 @@ class DiskTier:
 
     def segments(self) -> dict[int, tuple[int, int, int]]:
         """``segment id -> (live entry bytes, live records, committed end)``."""
-        return self._read_all(self._segs, lambda txn: {SEQ.unpack(k)[0]: SEGV.unpack(v)
+        return self._read_all(self._segs, lambda txn: {seg_id(k): seg_value(v)
                                                        for k, v in txn.cursor()}, {})
 
     def sweep_orphans(self) -> int:
@@ -375,14 +381,13 @@ class DiskTier:
         if self.readonly:
             return 0
         try:
-            with self.env.begin(write=True) as txn:
-                segs = {SEQ.unpack(k)[0]: SEGV.unpack(v)
-                        for k, v in txn.cursor(db=self._segs)}
+            with self.env.begin(write=True, buffers=True) as txn:
+                segs = {seg_id(k): seg_value(v) for k, v in txn.cursor(db=self._segs)}
                 dead = [s for s, (_, count, _) in segs.items() if count == 0]
                 for s in dead:
                     txn.delete(SEQ.pack(s), db=self._segs)
                     del segs[s]
-        except lmdb.Error as e:
+        except (lmdb.Error, TierDamaged) as e:
             self._note_error(e)
             return 0
         n = self.files.sweep({s: end for s, (_, _, end) in segs.items()})
@@ -410,8 +415,8 @@ class DiskTier:
             if not 1 <= len(parts) <= MAX_PARTS:
                 raise ValueError(f"a page is stored as 1 to {MAX_PARTS} parts, page {h.hex()} "
                                  f"has {len(parts)}")
-            if not 1 <= len(h) <= 0xFFFF:
-                raise ValueError(f"a key is 1 to 65535 bytes, got {len(h)}")
+            if not 1 <= len(h) <= MAX_KEY:
+                raise ValueError(f"a key is 1 to {MAX_KEY} bytes, page {h.hex()[:16]}... has {len(h)}")
         if not self.index.usable():
             return self._failed(OSError(errno.EIO, "the index is damaged"))
         try:
@@ -458,9 +463,9 @@ class DiskTier:
         stored = 0
         freed: list[int] = []
         evicted = 0
-        with self.env.begin(write=True) as txn:
-            seq = U64.unpack(txn.get(b"seq", db=self._meta) or U64.pack(0))[0]
-            total = U64.unpack(txn.get(b"bytes", db=self._meta) or U64.pack(0))[0]
+        with self.env.begin(write=True, buffers=True) as txn:
+            seq = u64(txn.get(b"seq", db=self._meta), 0)
+            total = u64(txn.get(b"bytes", db=self._meta), 0)
             touched, self._touched = self._touched, {}
             try:
                 for h in touched:
@@ -512,17 +517,18 @@ class DiskTier:
         n = 0
         freed: list[int] = []
         try:
-            with self.env.begin(write=True) as txn:
-                total = U64.unpack(txn.get(b"bytes", db=self._meta) or U64.pack(0))[0]
+            with self.env.begin(write=True, buffers=True) as txn:
+                total = u64(txn.get(b"bytes", db=self._meta), 0)
                 deltas: dict[int, list[int]] = {}
                 for h in hashes:
                     v = txn.get(h, db=self._records)
                     if v is not None:
+                        v = record_value(v)
                         served = self._served.get(h)
                         if served is not None and served != (self.stats["rebuilds"],
                                                               bytes(v[LOC:])):
                             continue    # moved, rewritten or re-indexed since it was read
-                        total -= self.index.drop(txn, h, bytes(v), deltas)
+                        total -= self.index.drop(txn, h, v, deltas)
                         n += 1
                 freed = self.index.settle(txn, deltas)
                 txn.put(b"bytes", U64.pack(max(total, 0)), db=self._meta)

@@ -3,7 +3,8 @@
 :class:`DiskIndex` opens ``PATH/data.mdb`` (schema in :mod:`kvstrata.tiers.diskschema`) for a
 tier. Damage LMDB cannot survive is checked where it is cheap (:mod:`kvstrata.tiers.lmdbcheck`):
 the meta and root pages and the file size before every open, a walk of the whole file in a child
-process after an unclean shutdown (or when asked). A writer that finds damage (at open, or when a
+process after an unclean shutdown, when the file changed since the last clean close (its size,
+mtime and inode are stamped then), or when asked. A writer that finds damage (at open, or when a
 read meets it) rebuilds the index from the segments (:mod:`kvstrata.tiers.rebuild`), or, if that
 fails, moves the files aside and starts empty; the engine always starts, and each of these steps
 is logged once. Before every read the file's size is compared with its last page, so a file cut
@@ -20,7 +21,8 @@ import struct
 import lmdb
 
 from .diskschema import (DAMAGE, DBS, LAYOUT, RULES, SEGV, SEQ, U64, TierDamaged, entry_bytes,
-                         index_value, layout_of, location, open_dbs, open_env)
+                         index_value, key_of, layout_of, location, open_dbs, open_env,
+                         record_value, seg_id, seg_value, u64)
 from .lmdbcheck import MDB, check_file, walk
 from .rebuild import move_aside, rebuild
 from .segments import Segments
@@ -28,6 +30,12 @@ from .segments import Segments
 log = logging.getLogger(__name__)
 
 _ACTIVE = "writer.active"           # present while a writer has the tier open
+_STAMP = "index.stamp"              # data.mdb's size, mtime and inode at the last clean close
+
+
+def _stamp(mdb: str) -> str:
+    st = os.stat(mdb)
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino}"
 
 
 def walk_index(path: str) -> str | None:
@@ -36,6 +44,8 @@ def walk_index(path: str) -> str | None:
     problem, counts = walk(path, RULES)
     if problem:
         return problem
+    if "records" not in counts and ("pages" in counts or not counts):
+        return None     # written by an older layout (or empty): the open decides what to do
     if {n.decode() for n in DBS} - set(counts):
         return "the index lacks some of its databases"
     if not counts["records"] == counts["lru"] == counts["byseg"]:
@@ -114,9 +124,9 @@ class DiskIndex:
             if kind != LAYOUT:
                 raise LayoutError(kind, self._layout_message(kind))
             self.dbs = open_dbs(self.env, readonly=True)
-            with self.env.begin(db=self.dbs[b"meta"]) as txn:
-                v = txn.get(b"capacity")
-        except LayoutError:
+            with self.env.begin(db=self.dbs[b"meta"], buffers=True) as txn:
+                capacity = u64(txn.get(b"capacity"))
+        except (LayoutError, TierDamaged):
             self.close()
             raise
         except lmdb.NotFoundError:
@@ -126,7 +136,7 @@ class DiskIndex:
             self.close()
             raise TierDamaged(f"{self.path!r}: opening the index failed ({type(e).__name__}: {e})") from None
         self._opened()
-        return U64.unpack(v)[0] if v else None
+        return capacity
 
     # -- the writer ---------------------------------------------------------------------------
     def open_writer(self, capacity: int, check: bool) -> None:
@@ -134,10 +144,9 @@ class DiskIndex:
         it, walks it in a child after an unclean shutdown (or with ``check``), and rebuilds it
         from the segments when any of that finds damage. Raises only for another layout."""
         self.capacity = capacity
-        unclean = os.path.exists(os.path.join(self.path, _ACTIVE))
         fresh = not os.path.exists(self.mdb) and not self.files.ids()
         problem = None if fresh else check_file(self.mdb)
-        if problem is None and not fresh and (unclean or check):
+        if problem is None and not fresh and (check or self._needs_walk()):
             problem = walk_index(self.path)
         if problem is None:
             try:
@@ -150,13 +159,24 @@ class DiskIndex:
                             "earlier, not self-describing); moved its files to %s and started "
                             "empty (delete them once no older kvstrata needs them)", self.path, dest)
                 self._open_writable()
-            except lmdb.Error as e:
+            except (lmdb.Error, TierDamaged) as e:
                 self.close()
                 problem = f"opening the index failed ({type(e).__name__}: {e})"
         if problem is not None:
             self.recover(problem)
         with open(os.path.join(self.path, _ACTIVE), "w") as f:
             f.write(str(os.getpid()))
+
+    def _needs_walk(self) -> bool:
+        """After an unclean shutdown (a writer died: its ``writer.active`` is still there), or
+        when ``data.mdb`` changed since the last clean close (written by something else)."""
+        if os.path.exists(os.path.join(self.path, _ACTIVE)):
+            return True
+        try:
+            with open(os.path.join(self.path, _STAMP)) as f:
+                return f.read() != _stamp(self.mdb)
+        except OSError:
+            return True
 
     def _open_writable(self) -> None:
         os.makedirs(self.files.dir, exist_ok=True)
@@ -210,23 +230,23 @@ class DiskIndex:
 
     def close(self, clean: bool = False) -> None:
         """Close the environment; ``clean``: the writer is done (no walk at the next open)."""
+        was_open = self.env is not None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         if self.env is not None:
             self.env.close()
             self.env = None
-        if clean and not self.readonly:
-            try:
-                os.unlink(os.path.join(self.path, _ACTIVE))
-            except FileNotFoundError:
-                pass
+        if clean and was_open and not self.readonly and os.path.exists(self.mdb):
+            with open(os.path.join(self.path, _STAMP), "w") as f:
+                f.write(_stamp(self.mdb))
+            os.unlink(os.path.join(self.path, _ACTIVE))
 
     # -- bookkeeping inside a write transaction ---------------------------------------------
     def add(self, txn, entries, seqs, deltas) -> None:
         """Append ``(key, parts)`` to the current segment and index them under access order
         ``seqs`` (inside ``txn``, before its commit)."""
-        nxt = U64.unpack(txn.get(b"nextseg", db=self.dbs[b"meta"]) or U64.pack(1))[0]
+        nxt = u64(txn.get(b"nextseg", db=self.dbs[b"meta"]), 1)
         created = self.files.created
         seg, offs = self.files.append(entries, nxt)
         self.stats["segments_created"] += self.files.created - created
@@ -253,7 +273,7 @@ class DiskIndex:
         for s, (db, dn) in deltas.items():
             k = SEQ.pack(s)
             v = txn.get(k, db=self.dbs[b"segs"])
-            live, count, end = SEGV.unpack(v) if v else (0, 0, 0)
+            live, count, end = seg_value(v) if v is not None else (0, 0, 0)
             live, count = max(0, live + db), max(0, count + dn)
             if s == cur:
                 end = self.files.offset
@@ -278,7 +298,7 @@ class DiskIndex:
         v = txn.get(h, db=self.dbs[b"records"])
         if v is None:
             return seq
-        location(v)                     # (raises TierDamaged on a malformed value)
+        v = record_value(v)             # (raises TierDamaged on a malformed value)
         old = U64.unpack_from(v, 0)[0]
         txn.delete(SEQ.pack(old), db=self.dbs[b"lru"])
         txn.put(SEQ.pack(seq), h, db=self.dbs[b"lru"])
@@ -306,13 +326,13 @@ class DiskIndex:
         victims = []
         ok = cur.first()
         while ok and total + need > cap:
-            h = bytes(cur.value())
+            h = key_of(cur.value())
             v = txn.get(h, db=self.dbs[b"records"])
             if v is None:
-                victims.append((h, None, bytes(cur.key())))
+                victims.append((h, None, SEQ.pack(seg_id(cur.key()))))
             else:
-                location(v)             # (raises TierDamaged on a malformed value)
-                victims.append((h, bytes(v), None))
+                v = record_value(v)     # (raises TierDamaged on a malformed value)
+                victims.append((h, v, None))
                 total -= struct.unpack_from("<Q", v, 8)[0]
             ok = cur.next()
         for h, v, lru_key in victims:

@@ -42,11 +42,53 @@ def index_value(seq: int, size: int, seg: int, off: int, lens) -> bytes:
     return IDX.pack(seq, size, seg, off) + struct.pack(f"<{len(lens)}Q", *lens)
 
 
+# NOTE: values are read as views into LMDB's map (``buffers=True``) and their length is checked
+# before any byte is touched: a damaged node may claim a length that runs past the end of the
+# file, and touching that through the map raises SIGBUS.
+MAX_PARTS = 257                     # head + 256 payloads
+MAX_KEY = 255                       # bytes of a key (LMDB keys are at most 511 bytes)
+
+
+def u64(v, default: int | None = None) -> int | None:
+    """An 8-byte counter (``default`` if absent)."""
+    if v is None:
+        return default
+    if len(v) != 8:
+        raise TierDamaged(f"a {len(v)}-byte value where 8 bytes belong")
+    return U64.unpack(v)[0]
+
+
+def seg_id(k) -> int:
+    if len(k) != 8:
+        raise TierDamaged(f"a {len(k)}-byte segment id")
+    return SEQ.unpack(k)[0]
+
+
+def seg_value(v) -> tuple[int, int, int]:
+    """``(live entry bytes, live records, committed end)`` of a ``segs`` value."""
+    if len(v) != SEGV.size:
+        raise TierDamaged(f"a segment entry of {len(v)} bytes")
+    return SEGV.unpack(v)
+
+
+def key_of(v) -> bytes:
+    """A key stored as a value (``lru``) or inside a key (``byseg``), copied out."""
+    if not 1 <= len(v) <= MAX_KEY + 8:
+        raise TierDamaged(f"a key of {len(v)} bytes")
+    return bytes(v)
+
+
+def record_value(v) -> bytes:
+    """A ``records`` value, checked and copied out."""
+    location(v)
+    return bytes(v)
+
+
 def location(v) -> tuple[int, int, tuple[int, ...]]:
     """``(segment, frame offset, part lengths)`` of an index value; :class:`TierDamaged` if the
     value is malformed (damage the walk did not see)."""
     n, rest = divmod(len(v) - IDX.size, 8)
-    if n < 1 or rest:
+    if not 1 <= n <= MAX_PARTS or rest:
         raise TierDamaged(f"an index value of {len(v)} bytes")
     _, _, seg, off = IDX.unpack_from(v, 0)
     return seg, off, struct.unpack_from(f"<{n}Q", v, IDX.size)
@@ -77,16 +119,15 @@ def open_dbs(env: lmdb.Environment, readonly: bool) -> dict[bytes, object]:
 def layout_of(env: lmdb.Environment) -> int | str | None:
     """The disk layout an index was written by: a number, None (written before layouts were
     recorded: 1-3), or ``"foreign"`` (an LMDB environment that is no disk tier)."""
-    with env.begin() as txn:
-        names = {bytes(k) for k, _ in txn.cursor()}
+    with env.begin(buffers=True) as txn:
+        names = {key_of(k) for k in txn.cursor().iternext(values=False)}
     if not names:
         return LAYOUT       # a fresh index
     if b"meta" not in names:
         return None if b"pages" in names else "foreign"
     meta = env.open_db(b"meta", create=False)
-    with env.begin(db=meta) as txn:
-        v = txn.get(b"layout")
-    return U64.unpack(v)[0] if v else None
+    with env.begin(db=meta, buffers=True) as txn:
+        return u64(txn.get(b"layout"))
 
 
 def build(path: str, entries, ends: dict[int, int], nextseg: int, capacity: int,

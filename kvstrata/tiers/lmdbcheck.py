@@ -42,8 +42,12 @@ def check_file(path: str) -> str | None:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return "data.mdb is missing"
+    except OSError as e:
+        return f"data.mdb cannot be opened ({e})"
     try:
         return _check_fd(fd)
+    except (OSError, struct.error) as e:     # garbage where a page should be
+        return f"data.mdb is unreadable ({type(e).__name__}: {e})"
     finally:
         os.close(fd)
 
@@ -102,7 +106,7 @@ def _check_root(fd: int, psize: int, last: int, root: int, name: str) -> str | N
 def named_dbs(page: bytes):
     """``(name, MDB_db)`` of the named databases recorded in the main database's leaf page."""
     _, _, _, lower, _ = _PAGE.unpack_from(page, 0)
-    for i in range((lower - _PAGE.size) // 2):
+    for i in range(min(lower - _PAGE.size, len(page) - _PAGE.size) // 2):
         o = struct.unpack_from("<H", page, _PAGE.size + 2 * i)[0]
         if o + _NODE.size > len(page):
             return

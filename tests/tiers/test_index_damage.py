@@ -103,10 +103,14 @@ def test_damaged_index_under_a_running_stack_is_a_miss_then_rebuilt(tmp_path, ki
 
 def test_random_bytes_in_the_index_never_raise_nor_serve_wrong_pages(tmp_path):
     rng = random.Random(5)
-    for trial in range(6):
+    for trial in range(8):
         s, prompts = _filled(tmp_path / str(trial), seed=trial)
         s.tiers.close()
-        damage.random_bytes(s.path, 3, rng)
+        if trial % 2:               # meta pages included: check_file must not raise either
+            damage.random_bytes(s.path, 64, rng, metas=True)
+            check_file(os.path.join(s.path, "data.mdb"))
+        else:
+            damage.random_bytes(s.path, 3, rng)
         s2 = Stack(tmp_path / str(trial), num_pages=16, host_pages=4)
         for p in prompts:
             s2.run(p)               # pages served are compared with what was written
@@ -156,16 +160,22 @@ def test_rebuild_keeps_the_newest_copy_and_respects_the_capacity(tmp_path):
         assert d.stored_bytes() == cap
 
 
-def test_unclean_shutdown_walks_the_index_in_a_child(tmp_path):
+def test_unclean_shutdown_or_a_changed_file_walks_the_index_in_a_child(tmp_path):
     s, prompts = _filled(tmp_path)
     s.tiers.close()
+    mdb = os.path.join(s.path, "data.mdb")
+    st = os.stat(mdb)
     damage.flip_page_type(s.path, [damage.root_page(s.path, b"byseg")])
-    with DiskTier(s.path, map_size=1 << 24) as d:  # after a clean shutdown nothing walks it
+    os.utime(mdb, ns=(st.st_atime_ns, st.st_mtime_ns))   # damage the stamp cannot see
+    with DiskTier(s.path, map_size=1 << 24) as d:  # a clean shutdown, the same file: no walk
         assert d.stats["rebuilds"] == 0 and len(d) == 12
     open(os.path.join(s.path, "writer.active"), "w").close()   # as a killed writer leaves it
     with DiskTier(s.path, map_size=1 << 24) as d:
         assert d.stats["rebuilds"] == 1 and len(d) == 12
     assert walk_index(str(s.path)) is None
+    damage.flip_page_type(s.path, [damage.root_page(s.path, b"lru")])   # written meanwhile
+    with DiskTier(s.path, map_size=1 << 24) as d:
+        assert d.stats["rebuilds"] == 1 and len(d) == 12
 
 
 def test_rebuild_impossible_moves_the_files_aside_and_starts_empty(tmp_path, monkeypatch, caplog):
@@ -257,3 +267,36 @@ def test_a_newer_layout_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="newer kvstrata"):     # (the writer lock was released)
         DiskTier(tmp_path / "d", map_size=1 << 22)
     assert "data.mdb" in os.listdir(tmp_path / "d")               # left as it was
+
+
+@pytest.mark.slow
+def test_random_bytes_fuzz_never_kills_the_process(tmp_path):
+    """Many copies of one tier, each with random bytes anywhere in data.mdb, each opened and
+    read by a forked child: no child may die (SIGBUS, SIGSEGV, abort) or raise, and every page
+    it serves is checked byte for byte."""
+    import shutil
+    s, prompts = _filled(tmp_path / "orig")
+    s.tiers.close()
+    dead = []
+    for trial in range(int(os.environ.get("KVSTRATA_FUZZ_TRIALS", "150"))):
+        d = tmp_path / f"t{trial}"
+        shutil.copytree(tmp_path / "orig", d)
+        rng = random.Random(trial)
+        damage.random_bytes(d / "disk", rng.choice([1, 3, 10, 64]), rng, metas=trial % 3 == 0)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                s2 = Stack(d, num_pages=16, host_pages=4)
+                for p in prompts:
+                    s2.run(p)
+                    s2.pool.evict(s2.pool.num_cached)
+                s2.tiers.close()
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        if status:
+            dead.append((trial, status))
+        shutil.rmtree(d)
+    assert dead == []
