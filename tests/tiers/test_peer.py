@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from kvstrata.pagepool import (LAYER_KV_FIRST, GroupView, KVGroupSpec, Namespace, PageInfo,
-                               PagePool, PoolView, hash_page)
+from kvstrata.pagepool import LAYER_KV_FIRST, GroupView, KVGroupSpec, Namespace, PagePool, PoolView
 from kvstrata.runtime.disagg.workers import loopback_pair
+from kvstrata.testing.tiers import chain
 from kvstrata.tiers.peer import PeerError, PeerLink
 
 P = 4
@@ -20,13 +20,7 @@ NS = Namespace("peer", GROUPS, P)
 
 
 def _infos(n):
-    out, parent = [], NS.digest
-    for i in range(n):
-        toks = tuple(range(i * P, (i + 1) * P))
-        h = hash_page(parent, toks)
-        out.append(PageInfo(i, h, parent, toks))
-        parent = h
-    return out
+    return chain(NS, n, P)
 
 
 def _exchange(src_view, dst_view, infos, ids, encode):
