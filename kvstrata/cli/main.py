@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "bench": "kvstrata.cli.bench",
     "inspect": "kvstrata.cli.inspect",
     "stress": "kvstrata.cli.stress",
+    "serve": "kvstrata.cli.serve",
 }
 
 

@@ -1,0 +1,11 @@
+"""kvstrata.serve: the OpenAI-compatible HTTP server over the engine core (``kvstrata serve``).
+
+``build_app(llm, ServerConfig(...))`` is an ASGI app (Starlette); ``kvstrata serve`` runs it under
+uvicorn. The engine runs in one thread of its own (:mod:`.worker`); handlers reach it through a
+queue. See ``docs/serving.md``.
+"""
+
+from .app import ServerConfig, build_app
+from .chat import render_chat, render_minimal
+
+__all__ = ["ServerConfig", "build_app", "render_chat", "render_minimal"]
