@@ -1,0 +1,77 @@
+"""A real ``kvstrata serve`` process on a free loopback port, and the offline engine to compare with.
+
+The server runs the shipped pair on the CPU with one torch thread (2-core machines); it is stopped
+(SIGINT, then SIGKILL) by the fixture that started it, and its log is printed when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import engine_shim
+
+# Until the engine core lands on main (ENGINE_API.md); a no-op afterwards.
+engine_shim.install()
+
+HERE = Path(__file__).resolve().parent
+MODEL = "kvstrata-tiny-py"
+API_KEY = "test-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, args: list[str], env: dict | None = None,
+                 timeout: float = 90.0) -> Server:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    cmd = [sys.executable, str(HERE / "launch.py"), "serve", MODEL, "--drafter", MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--device", "cpu",
+           "--log-level", "warning", *args]
+    full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, env=full_env)
+    srv = Server(f"http://127.0.0.1:{port}", port, proc, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{srv.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return srv
+        except OSError:
+            time.sleep(0.3)
+    srv.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{log.read_text()}")
+
+
