@@ -117,12 +117,14 @@ def has_unfinished(self):
     return _state(self)["sched"].has_work
 
 
-def install() -> None:
+def install() -> bool:
+    """Add the API where ``LLM`` lacks it; True if it did (the real engine core is missing)."""
     if hasattr(LLM, "add_request"):
-        return
+        return False
     runtime.RequestDelta = RequestDelta
     LLM.add_request, LLM.step, LLM.abort, LLM.has_unfinished = (add_request, step, abort,
                                                                 has_unfinished)
     LLM.tokenizer = property(lambda self: _ByteTokenizer())
     LLM.model_name = property(lambda self: "kvstrata-tiny-py")
     LLM.close = lambda self: None
+    return True

@@ -6,6 +6,7 @@ The server runs the shipped pair on the CPU with one torch thread (2-core machin
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -16,10 +17,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 import engine_shim
 
 # Until the engine core lands on main (ENGINE_API.md); a no-op afterwards.
-engine_shim.install()
+SHIMMED = engine_shim.install()
 
 HERE = Path(__file__).resolve().parent
 MODEL = "kvstrata-tiny-py"
@@ -75,3 +78,37 @@ def start_server(tmp: Path, args: list[str], env: dict | None = None,
     raise RuntimeError(f"server did not become healthy in {timeout} s:\n{log.read_text()}")
 
 
+def http_request(server, method: str, path: str, body: bytes | None = None,
+                 key: str | None = API_KEY, headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    out = r.status, r.read()
+    conn.close()
+    return out
+
+
+def metrics(server) -> dict[str, float]:
+    """``/metrics`` as ``{'name{label="v"}': value}`` (labels sorted)."""
+    status, body = http_request(server, "GET", "/metrics")
+    assert status == 200
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
+    """Metrics once no request is in flight and no page is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["kvstrata_requests_in_flight"] == 0 and m['kvstrata_pool_pages{state="in_use"}'] == 0:
+            return m
+        assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
+        time.sleep(0.1)

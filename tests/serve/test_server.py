@@ -12,9 +12,8 @@ import time
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from serverproc import API_KEY, MODEL, start_server
+from serverproc import API_KEY, MODEL, http_request, metrics, start_server, wait_idle
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 from kvstrata.serve.chat import render_minimal
 from kvstrata.tokenizer import decode, encode
@@ -75,42 +74,6 @@ def _server_log_on_failure(request):
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
                          timeout=120)
-
-
-def _http(server, method: str, path: str, body: bytes | None = None, key: str | None = API_KEY,
-          headers: dict | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    h = {"Content-Type": "application/json", **(headers or {})}
-    if key is not None:
-        h["Authorization"] = f"Bearer {key}"
-    conn.request(method, path, body=body, headers=h)
-    r = conn.getresponse()
-    out = r.status, r.read()
-    conn.close()
-    return out
-
-
-def metrics(server) -> dict[str, float]:
-    """``/metrics`` as ``{'name{label="v"}': value}`` (labels sorted)."""
-    status, body = _http(server, "GET", "/metrics")
-    assert status == 200
-    out = {}
-    for fam in text_string_to_metric_families(body.decode()):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
-
-
-def wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
-    """Metrics once no request is in flight and no page is in use."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        if m["kvstrata_requests_in_flight"] == 0 and m['kvstrata_pool_pages{state="in_use"}'] == 0:
-            return m
-        assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
-        time.sleep(0.1)
 
 
 def test_completions_chat_and_stream_equal_offline(client, offline):
@@ -177,16 +140,16 @@ def test_cache_salt_separates_prefixes(client):
 
 def test_auth_health_models_and_metrics(server):
     # /health is open; everything else needs the key.
-    assert _http(server, "GET", "/health", key=None)[0] == 200
+    assert http_request(server, "GET", "/health", key=None)[0] == 200
     for path in ("/v1/models", "/metrics"):
         for key in (None, "wrong", API_KEY + "x", ""):
-            status, body = _http(server, "GET", path, key=key)
+            status, body = http_request(server, "GET", path, key=key)
             assert status == 401, (path, key)
             assert json.loads(body)["error"]["type"] == "authentication_error"
-    status, body = _http(server, "POST", "/v1/completions", key=None,
+    status, body = http_request(server, "POST", "/v1/completions", key=None,
                          body=json.dumps({"model": MODEL, "prompt": "x"}).encode())
     assert status == 401
-    status, body = _http(server, "GET", "/v1/models")
+    status, body = http_request(server, "GET", "/v1/models")
     doc = json.loads(body)
     assert status == 200 and doc["data"][0]["id"] == MODEL
     assert doc["data"][0]["max_model_len"] == MAX_SEQ_LEN
@@ -210,8 +173,10 @@ def _error(status_body, status: int, code: str | None = None) -> str:
 
 
 def test_bad_requests_are_clean_4xx_and_the_server_keeps_serving(server, client, offline):
-    post = lambda path, obj: _http(server, "POST", path,                          # noqa: E731
-                                   obj if isinstance(obj, bytes) else json.dumps(obj).encode())
+    def post(path, obj):
+        return http_request(server, "POST", path,
+                            obj if isinstance(obj, bytes) else json.dumps(obj).encode())
+
     good = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": MAX_TOKENS, "temperature": 0}
     _error(post("/v1/completions", b'{"model": "kvstrata-tiny-py", "prompt": '), 400,
            "invalid_json")
@@ -248,8 +213,8 @@ def test_bad_requests_are_clean_4xx_and_the_server_keeps_serving(server, client,
     # that fits.
     _error(post("/v1/completions", {**good, "prompt": "y" * (16 * MAX_SEQ_LEN + 1)}), 413,
            "prompt_too_large")
-    assert _http(server, "GET", "/v1/nothing")[0] == 404
-    assert _http(server, "GET", "/v1/completions")[0] == 405
+    assert http_request(server, "GET", "/v1/nothing")[0] == 404
+    assert http_request(server, "GET", "/v1/completions")[0] == 405
     # The openai client sees the same errors as exceptions.
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
