@@ -1,0 +1,288 @@
+"""Serving benchmark: ``kvstrata serve`` under concurrent streaming clients (issue 18).
+
+Two parts, both against a real server process on a loopback port, driven by the official
+``openai`` client (a dev dependency):
+
+1. **Concurrency sweep**, prefix-heavy: every prompt is one shared header (a system prompt of
+   ``--shared-bytes``) plus a short unique question. ``c`` clients each send ``--per-client``
+   streaming requests one after another; reported: generated tokens/s, requests/s, client-side TTFT
+   p50/p99 (request sent -> first streamed text). The ceiling measured in the same run is the engine
+   alone: ``LLM.generate`` of ``c`` prompts of the same shape in one call, in this process, with the
+   server stopped (same cache configuration and threads).
+2. **TTFT with tier hits vs without** at concurrency 1: a device pool of two sequences and a host
+   tier. Cold prompts (nothing cached); the last prompt again (a device-pool hit); the first prompts
+   again (evicted from the device by then, so their prefix comes back from the host tier; the
+   host->device page counter in ``/metrics`` confirms it).
+
+    python benchmarks/serve_bench.py --threads 1 --out /tmp/serve.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+MODEL = "kvstrata-tiny-py"
+QUESTIONS = ["path", "name", "size", "mode", "user", "home", "port", "host", "root", "lang",
+             "shell", "term", "editor", "pager", "tmp", "cache"]
+
+
+def _shared_header(nbytes: int) -> str:
+    """A Python module header of about ``nbytes`` characters (ASCII, one byte per token)."""
+    lines = ['"""Settings of the service, read once from the environment."""', "",
+             "import os", "import sys", "", ""]
+    i = 0
+    while sum(len(x) + 1 for x in lines) < nbytes:
+        lines.append(f"DEFAULT_{i} = os.environ.get('SETTING_{i}', '{i}')")
+        i += 1
+    return "\n".join(lines)[:nbytes] + "\n\n\n"
+
+
+def _prompt(shared: str, k: int) -> str:
+    q = QUESTIONS[k % len(QUESTIONS)]
+    return f"{shared}def get_{q}_{k}(config):\n"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    #: how the server starts: the ``kvstrata`` CLI module, or a script taking the same arguments
+    launcher: list[str] = ["-m", "kvstrata.cli.main"]
+
+    def __init__(self, args: list[str], threads: int, workdir: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / f"server-{self.port}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.launcher, "serve", MODEL, "--drafter", MODEL,
+             "--port", str(self.port), "--threads", str(threads), "--device", "cpu",
+             "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
+            cwd=workdir)
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited; log: {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy; log: {self.log.name}")
+                time.sleep(0.3)
+
+    def metrics(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {f"{s.name}{json.dumps(s.labels, sort_keys=True) if s.labels else ''}": s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def _stream_one(client, prompt: str, max_tokens: int) -> tuple[float, int, float]:
+    """(TTFT s, generated tokens, total s) of one streamed completion."""
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+    async for c in stream:
+        if ttft is None and c.choices and c.choices[0].text:
+            ttft = time.perf_counter() - t0
+        if c.usage is not None:
+            n = c.usage.completion_tokens
+    return ttft, n, time.perf_counter() - t0
+
+
+async def _sweep_point(url: str, shared: str, c: int, per_client: int, max_tokens: int,
+                       start: int) -> dict:
+    import openai
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                timeout=600)
+
+    async def one_client(i: int):
+        return [await _stream_one(client, _prompt(shared, start + i * per_client + j),
+                                  max_tokens) for j in range(per_client)]
+
+    t0 = time.perf_counter()
+    res = [r for rs in await asyncio.gather(*(one_client(i) for i in range(c))) for r in rs]
+    wall = time.perf_counter() - t0
+    await client.close()
+    ttfts = [r[0] for r in res]
+    toks = sum(r[1] for r in res)
+    return {"concurrency": c, "requests": len(res), "tokens": toks, "wall_s": wall,
+            "tok_s": toks / wall, "req_s": len(res) / wall, "ttft_p50_ms": 1e3 * _pct(ttfts, .5),
+            "ttft_p99_ms": 1e3 * _pct(ttfts, .99)}
+
+
+def _offline(args, shared: str, levels: list[int]) -> dict[int, dict]:
+    """The engine alone: ``LLM.generate`` of ``c`` prompts of the same shape in one call."""
+    import torch
+
+    from kvstrata.runtime import LLM, CacheConfig, SamplingParams
+    from kvstrata.tokenizer import encode
+    torch.set_num_threads(args.threads)
+    llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=args.max_batch_size,
+                                        max_seq_len=args.max_seq_len, target_codec="identity",
+                                        draft_codec="identity"), device="cpu")
+    sp = SamplingParams(max_tokens=args.max_tokens)
+    llm.generate([encode(_prompt(shared, 10_000))], sp)        # warm: the shared header cached
+    out, k = {}, 20_000
+    for c in levels:
+        prompts = [encode(_prompt(shared, k + i)) for i in range(c)]
+        k += c
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, sp)
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.token_ids) for r in res)
+        out[c] = {"tok_s": toks / wall, "ttft_p50_ms": 1e3 * _pct(
+            [r.metrics["ttft_s"] for r in res], .5)}
+    if hasattr(llm, "close"):
+        llm.close()
+    return out
+
+
+def _tier_ttft(args, workdir: Path) -> list[dict]:
+    """TTFT of cold prompts, device-pool hits and host-tier hits, one request at a time."""
+    import openai
+    page_bytes = 65536 if args.page_bytes is None else args.page_bytes
+    seq_pages = -(-args.max_seq_len // 16)
+    srv = _Server(["--max-seq-len", str(args.max_seq_len), "--max-batch-size", "2",
+                   "--kv-cache-bytes", str(2 * seq_pages * page_bytes),
+                   "--host-tier-bytes", "512M", "--target-codec", "identity",
+                   "--draft-codec", "identity"], args.threads, workdir)
+    rows = []
+    try:
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0,
+                                    timeout=600)
+        n = args.tier_prompts
+        # Distinct long prompts: nothing shared, each ~shared-bytes long.
+        prompts = [_prompt(f"# module {k}\n" + _shared_header(args.shared_bytes), k)
+                   for k in range(n)]
+
+        async def run(label: str, ps: list[str]):
+            before = srv.metrics()
+            t = [(await _stream_one(client, p, 4))[0] for p in ps]
+            after = srv.metrics()
+            h2d = after.get('kvstrata_tier_transfer_pages_total{"path": "h2d"}', 0) - \
+                before.get('kvstrata_tier_transfer_pages_total{"path": "h2d"}', 0)
+            cached = sum(after.get(f'kvstrata_prefix_cached_tokens_total{{"tier": "{x}"}}', 0) -
+                         before.get(f'kvstrata_prefix_cached_tokens_total{{"tier": "{x}"}}', 0)
+                         for x in ("device", "host", "disk", "remote"))
+            rows.append({"case": label, "requests": len(ps), "ttft_p50_ms": 1e3 * _pct(t, .5),
+                         "ttft_max_ms": 1e3 * max(t), "cached_tokens": cached,
+                         "h2d_pages": h2d})
+
+        async def main():
+            await _stream_one(client, _prompt("warm-up\n", 0), 2)
+            await run("cold (no prefix cached)", prompts)
+            await run("device-pool hit (same prompt again)", [prompts[-1]] * 3)
+            await run("host-tier hit (evicted from the device)", prompts[:3])
+            await client.close()
+
+        asyncio.run(main())
+    finally:
+        srv.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument("--per-client", type=int, default=2, help="requests per client, in turn")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--shared-bytes", type=int, default=384, help="shared header length")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-batch-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of server and ceiling")
+    p.add_argument("--tier-prompts", type=int, default=6)
+    p.add_argument("--page-bytes", type=int, help="bytes per page (default: the tiny pair's)")
+    p.add_argument("--skip-tiers", action="store_true")
+    p.add_argument("--launcher", help="a Python script taking the kvstrata CLI's arguments, "
+                   "instead of python -m kvstrata.cli.main")
+    p.add_argument("--out", help="write the markdown tables here too")
+    args = p.parse_args(argv)
+    if args.launcher:
+        _Server.launcher = [str(Path(args.launcher).resolve())]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    shared = _shared_header(args.shared_bytes)
+    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    srv = _Server(["--max-seq-len", str(args.max_seq_len), "--max-batch-size",
+                   str(args.max_batch_size), "--target-codec", "identity", "--draft-codec",
+                   "identity"], args.threads, workdir)
+    try:
+        asyncio.run(_sweep_point(srv.url, shared, 1, 1, args.max_tokens, 10_000))   # warm-up
+        points, k = [], 20_000
+        for c in levels:
+            points.append(asyncio.run(_sweep_point(srv.url, shared, c, args.per_client,
+                                                   args.max_tokens, k)))
+            k += c * args.per_client
+            print(json.dumps(points[-1]), flush=True)
+        m = srv.metrics()
+    finally:
+        srv.stop()
+    ceiling = _offline(args, shared, levels)
+    reused = m.get('kvstrata_prefix_cached_tokens_total{"tier": "device"}', 0)
+    prompt_tokens = m.get("kvstrata_prompt_tokens_total", 0)
+    lines = [f"Prompt: {len(shared)}-token shared header + a unique ~20-token question; "
+             f"{args.max_tokens} new tokens, greedy; {args.per_client} streaming requests per "
+             f"client in turn; max_batch_size={args.max_batch_size}, max_seq_len="
+             f"{args.max_seq_len}, page 16, fp32, {args.threads} torch thread(s); prefix tokens "
+             f"reused over the sweep: {reused:.0f} of {prompt_tokens:.0f}.", "",
+             "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | engine alone "
+             "tok/s (ceiling) | server / ceiling | engine alone TTFT p50 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for pt in points:
+        c = ceiling[pt["concurrency"]]
+        lines.append(f"| {pt['concurrency']} | {pt['requests']} | {pt['tok_s']:.0f} | "
+                     f"{pt['req_s']:.2f} | {pt['ttft_p50_ms']:.0f} | {pt['ttft_p99_ms']:.0f} | "
+                     f"{c['tok_s']:.0f} | {pt['tok_s'] / c['tok_s']:.2f} | "
+                     f"{c['ttft_p50_ms']:.0f} |")
+    if not args.skip_tiers:
+        rows = _tier_ttft(args, workdir)
+        lines += ["", "| case (one request at a time) | requests | TTFT p50 ms | TTFT max ms | "
+                  "prompt tokens from cache | host->device pages |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['case']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | "
+                         f"{r['ttft_max_ms']:.1f} | {r['cached_tokens']:.0f} | "
+                         f"{r['h2d_pages']:.0f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
