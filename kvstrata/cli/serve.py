@@ -36,21 +36,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Qwen3 checkpoint directory or shipped model name (kvstrata-tiny-py)")
     p.add_argument("--drafter", metavar="DIR",
                    help="DFlash drafter directory or shipped name (none: plain decoding)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVSTRATA_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $KVSTRATA_API_KEY)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   "/health; prefer the KVSTRATA_API_KEY environment variable (a command line "
+                   "is visible to other users in ps)")
     p.add_argument("--served-model-name", help="model name clients send (default: the "
                    "model's own name)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=1 << 20,
-                   help="larger request bodies get 413 (default 1MiB)")
+                   help="larger request bodies get 413")
     p.add_argument("--max-prompt-chars", type=int,
-                   help="longer prompt text gets 413 (default 16 x max_seq_len)")
+                   help="longer prompt text gets 413 (default: 16 x max_seq_len)")
     g = p.add_argument_group("engine and cache")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda:1")
     g.add_argument("--dtype", default="auto", help="auto keeps each checkpoint's dtype")
     g.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0: torch's default)")
+                   help="torch CPU threads (0: the engine's choice, 1 for small models)")
     g.add_argument("--max-batch-size", type=int, default=16)
     g.add_argument("--max-seq-len", type=int, help="default: the models' limit")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -64,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-tier", metavar="PATH",
                    help="enable the disk tier in PATH (needs --host-tier-bytes)")
     g.add_argument("--disk-tier-bytes", type=parse_bytes, default=1 << 30,
-                   help="disk tier map size (default 1GiB)")
+                   help="disk tier map size")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
 
@@ -103,21 +104,29 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.runtime import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = None
     try:
-        config = ServerConfig(model_name=args.served_model_name, api_key=args.api_key or None,
+        api_key = args.api_key or os.environ.get("KVSTRATA_API_KEY") or None
+        config = ServerConfig(model_name=args.served_model_name, api_key=api_key,
                               max_body_bytes=args.max_body_bytes,
                               max_prompt_chars=args.max_prompt_chars)
-        llm = LLM(args.target, args.drafter, cache=cache_config(args), device=device,
-                  dtype=args.dtype)
+        cache = cache_config(args)
+        try:
+            llm = LLM(args.target, args.drafter, cache=cache, device=device, dtype=args.dtype,
+                      num_threads=args.threads or None)
+        finally:
+            disk = (cache.tiers or {}).get("disk")
+            if llm is None and disk is not None:
+                disk.close()
+        app = build_app(llm, config)
     except (ValueError, RuntimeError) as e:
-        print(f"kvstrata serve: {e}", file=sys.stderr)
+        if llm is not None:
+            llm.close()
+        print(f"kvstrata serve: error: {e}", file=sys.stderr)
         return 2
-    app = build_app(llm, config)
     srv = app.state.server
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         logging.getLogger("kvstrata.serve").warning(

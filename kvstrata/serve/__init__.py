@@ -6,6 +6,5 @@ queue. See ``docs/serving.md``.
 """
 
 from .app import ServerConfig, build_app
-from .chat import render_chat, render_minimal
 
-__all__ = ["ServerConfig", "build_app", "render_chat", "render_minimal"]
+__all__ = ["ServerConfig", "build_app"]

@@ -27,7 +27,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..runtime import SamplingParams
-from .chat import render_chat, template_name
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, ValidationError,
                        error_body, validation_message)
@@ -135,6 +134,9 @@ class _Server:
     """Request handlers over one engine worker (held by the app; no module-level state)."""
 
     def __init__(self, llm, config: ServerConfig):
+        if llm.tokenizer is None:
+            raise ValueError("serving needs a tokenizer: the target directory has neither "
+                             "tokenizer.json nor the kvstrata byte tokenizer's config")
         self.llm = llm
         self.cfg = config
         self.tok = llm.tokenizer
@@ -286,7 +288,9 @@ class _Server:
         try:
             messages = req.message_dicts()
             self.check_prompt_size(sum(len(m["content"]) for m in messages))
-            text = render_chat(self.tok, messages)
+            # The model's own template (the shipped byte-level pair has a documented one);
+            # a tokenizer without one raises ValueError, which is the client's 400.
+            text = self.tok.apply_chat_template(messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         ids = self.encode(text)
@@ -342,7 +346,7 @@ class _Server:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "kvstrata",
-            "max_model_len": self.max_seq_len, "chat_template": template_name(self.tok)}]})
+            "max_model_len": self.max_seq_len}]})
 
     async def health(self, request: Request) -> Response:
         if not self.worker.alive:

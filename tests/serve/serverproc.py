@@ -19,12 +19,6 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-import engine_shim
-
-# Until the engine core lands on main (ENGINE_API.md); a no-op afterwards.
-SHIMMED = engine_shim.install()
-
-HERE = Path(__file__).resolve().parent
 MODEL = "kvstrata-tiny-py"
 API_KEY = "test-key-0123456789"
 
@@ -57,7 +51,7 @@ def start_server(tmp: Path, args: list[str], env: dict | None = None,
                  timeout: float = 90.0) -> Server:
     port = free_port()
     log = tmp / f"server-{port}.log"
-    cmd = [sys.executable, str(HERE / "launch.py"), "serve", MODEL, "--drafter", MODEL,
+    cmd = [sys.executable, "-m", "kvstrata", "serve", MODEL, "--drafter", MODEL,
            "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--device", "cpu",
            "--log-level", "warning", *args]
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}

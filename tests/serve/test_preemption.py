@@ -11,16 +11,12 @@ from __future__ import annotations
 import asyncio
 
 import openai
-import pytest
 import torch
 
-from serverproc import API_KEY, MODEL, SHIMMED, metrics, start_server, wait_idle
+from serverproc import API_KEY, MODEL, metrics, start_server, wait_idle
 from kvstrata.assets.corpus import heldout_prompts
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 from kvstrata.tokenizer import decode
-
-pytestmark = pytest.mark.skipif(SHIMMED, reason="needs the engine core with preemption "
-                                "(issue 18, lead's half) on main")
 
 MAX_SEQ_LEN, BATCH, POOL_PAGES, MAX_TOKENS, PROMPT_LEN = 256, 8, 40, 150, 96
 

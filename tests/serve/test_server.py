@@ -15,8 +15,7 @@ import torch
 
 from serverproc import API_KEY, MODEL, http_request, metrics, start_server, wait_idle
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
-from kvstrata.serve.chat import render_minimal
-from kvstrata.tokenizer import decode, encode
+from kvstrata.tokenizer import ByteTokenizer, decode, encode
 
 MAX_SEQ_LEN, BATCH, BODY_LIMIT = 256, 16, 8192
 CACHE = dict(max_batch_size=BATCH, max_seq_len=MAX_SEQ_LEN, target_codec="identity",
@@ -111,11 +110,12 @@ def test_completions_chat_and_stream_equal_offline(client, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
-    # Chat through the documented minimal template (the byte-level pair has none of its own).
+    # Chat through the model's template (the byte-level pair's renders Python comments).
     msgs = [{"role": "system", "content": "You complete Python."},
             {"role": "user", "content": "def fibonacci(n):"}]
-    prompt = render_minimal(msgs)
-    assert prompt == "system: You complete Python.\nuser: def fibonacci(n):\nassistant: "
+    prompt = ByteTokenizer().apply_chat_template(msgs)
+    assert prompt == ("# system: You complete Python.\n# user: def fibonacci(n):\n"
+                      "# assistant:\n")
     (want_chat,) = offline(prompt, max_tokens=12)
     r = client.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
     assert r.choices[0].message.role == "assistant"
@@ -239,7 +239,9 @@ def _raw_request(server, path: str, obj: dict) -> socket.socket:
 
 def test_disconnects_abort_and_free_pages(server, client, offline):
     before = metrics(server).get('kvstrata_requests_total{finish_reason="abort"}', 0)
-    long = {"model": MODEL, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0}
+    # Long enough (no EOS, nearly max_seq_len) to still be running when the client leaves.
+    long = {"model": MODEL, "prompt": "def main():\n", "max_tokens": MAX_SEQ_LEN - 20,
+            "temperature": 0, "ignore_eos": True}
     # Streaming: read the first event, then hang up.
     s = _raw_request(server, "/v1/completions", {**long, "stream": True})
     got = b""
@@ -249,11 +251,13 @@ def test_disconnects_abort_and_free_pages(server, client, offline):
         got += chunk
     assert got.startswith(b"HTTP/1.1 200")
     s.close()
-    # Non-streaming: hang up while it is generating.
+    wait_idle(server)
+    # Non-streaming: hang up once it is running.
     s = _raw_request(server, "/v1/chat/completions",
                      {**{k: v for k, v in long.items() if k != "prompt"},
-                      "messages": [{"role": "user", "content": PROMPTS[4]}]})
-    time.sleep(0.3)
+                      "messages": [{"role": "user", "content": "def main():"}]})
+    while metrics(server)["kvstrata_requests_in_flight"] == 0:
+        time.sleep(0.01)
     s.close()
     m = wait_idle(server)
     assert m['kvstrata_requests_total{finish_reason="abort"}'] == before + 2
