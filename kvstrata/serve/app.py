@@ -272,14 +272,9 @@ class _Server:
         if req.stream:
             return self.stream_response(streams[0], req, chat=False)
         results = await self.run_to_end(request, streams)
-        return JSONResponse({
-            "id": streams[0].request_id, "object": "text_completion", "created": int(time.time()),
-            "model": self.model,
-            "choices": [{"index": i, "text": r.text, "logprobs": None,
-                         "finish_reason": r.finish_reason} for i, r in enumerate(results)],
-            "usage": _usage(sum(r.num_prompt_tokens for r in results),
-                            sum(r.num_tokens for r in results),
-                            sum(r.num_cached_tokens for r in results))})
+        return self.reply(streams[0], "text_completion", results, [
+            {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
+            for i, r in enumerate(results)])
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.perf_counter()
@@ -300,12 +295,19 @@ class _Server:
         if req.stream:
             return self.stream_response(stream, req, chat=True)
         r = (await self.run_to_end(request, [stream]))[0]
+        return self.reply(stream, "chat.completion", [r], [
+            {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+             "finish_reason": r.finish_reason}])
+
+    def reply(self, stream: RequestStream, obj: str, results: list[_Result], choices: list
+              ) -> JSONResponse:
+        """A non-streamed answer; usage sums every choice's."""
         return JSONResponse({
-            "id": stream.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                         "logprobs": None, "finish_reason": r.finish_reason}],
-            "usage": _usage(r.num_prompt_tokens, r.num_tokens, r.num_cached_tokens)})
+            "id": stream.request_id, "object": obj, "created": int(time.time()),
+            "model": self.model, "choices": choices,
+            "usage": _usage(sum(r.num_prompt_tokens for r in results),
+                            sum(r.num_tokens for r in results),
+                            sum(r.num_cached_tokens for r in results))})
 
     def stream_response(self, stream: RequestStream, req, chat: bool) -> Response:
         return _EventStream(self.events(stream, req, chat), lambda: self.worker.abort(stream))
