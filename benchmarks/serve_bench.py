@@ -7,12 +7,12 @@ Two parts, both against a real server process on a loopback port, driven by the 
    ``--shared-bytes``) plus a short unique question. ``c`` clients each send ``--per-client``
    streaming requests one after another; reported: generated tokens/s, requests/s, client-side TTFT
    p50/p99 (request sent -> first streamed text). The ceiling measured in the same run is the engine
-   alone: ``LLM.generate`` of ``c`` prompts of the same shape in one call, in this process, with the
-   server stopped (same cache configuration and threads).
+   alone under the same closed loop (``c`` in-process clients on ``add_request``/``step``, no HTTP),
+   in this process after the server stopped (same cache configuration and threads).
 2. **TTFT with tier hits vs without** at concurrency 1: a device pool of two sequences and a host
    tier. Cold prompts (nothing cached); the last prompt again (a device-pool hit); the first prompts
-   again (evicted from the device by then, so their prefix comes back from the host tier; the
-   host->device page counter in ``/metrics`` confirms it).
+   again (evicted from the device by then, so their prefix comes back from the host tier;
+   ``kvstrata_tier_promoted_pages_total`` in ``/metrics`` confirms it).
 
     python benchmarks/serve_bench.py --threads 1 --out /tmp/serve.md
 """
@@ -57,6 +57,10 @@ def _prompt(shared: str, k: int) -> str:
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _by_tier(counts: dict[str, float]) -> str:
+    return ", ".join(f"{int(v)} {t}" for t, v in counts.items() if v) or "0"
 
 
 def _free_port() -> int:
@@ -144,29 +148,37 @@ async def _sweep_point(url: str, shared: str, c: int, per_client: int, max_token
 
 
 def _offline(args, shared: str, levels: list[int]) -> dict[int, dict]:
-    """The engine alone: ``LLM.generate`` of ``c`` prompts of the same shape in one call."""
-    import torch
-
+    """The engine alone, same closed loop: ``c`` in-process clients, each adding its next request
+    (``LLM.add_request``) when its previous one finished, driven by ``LLM.step`` (no HTTP, no
+    thread hand-off). TTFT is the engine's (``add_request`` to the first token)."""
     from kvstrata.runtime import LLM, CacheConfig, SamplingParams
-    from kvstrata.tokenizer import encode
-    torch.set_num_threads(args.threads)
     llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=args.max_batch_size,
                                         max_seq_len=args.max_seq_len, target_codec="identity",
-                                        draft_codec="identity"), device="cpu")
+                                        draft_codec="identity"), device="cpu",
+              num_threads=args.threads)
     sp = SamplingParams(max_tokens=args.max_tokens)
-    llm.generate([encode(_prompt(shared, 10_000))], sp)        # warm: the shared header cached
+    llm.generate([_prompt(shared, 10_000)], sp)        # warm: the shared header cached
     out, k = {}, 20_000
     for c in levels:
-        prompts = [encode(_prompt(shared, k + i)) for i in range(c)]
-        k += c
+        todo = {i: [_prompt(shared, k + i * args.per_client + j) for j in range(args.per_client)]
+                for i in range(c)}
+        k += c * args.per_client
+        owner, ttfts, toks = {}, [], 0
         t0 = time.perf_counter()
-        res = llm.generate(prompts, sp)
+        for i in range(c):
+            owner[llm.add_request(todo[i].pop(0), sp)] = i
+        while llm.has_unfinished():
+            for d in llm.step():
+                toks += len(d.new_token_ids)
+                if d.ttft_s is not None:
+                    ttfts.append(d.ttft_s)
+                if d.finished and todo[owner[d.request_id]]:
+                    i = owner.pop(d.request_id)
+                    owner[llm.add_request(todo[i].pop(0), sp)] = i
         wall = time.perf_counter() - t0
-        toks = sum(len(r.token_ids) for r in res)
-        out[c] = {"tok_s": toks / wall, "ttft_p50_ms": 1e3 * _pct(
-            [r.metrics["ttft_s"] for r in res], .5)}
-    if hasattr(llm, "close"):
-        llm.close()
+        out[c] = {"tok_s": toks / wall, "ttft_p50_ms": 1e3 * _pct(ttfts, .5),
+                  "ttft_p99_ms": 1e3 * _pct(ttfts, .99)}
+    llm.close()
     return out
 
 
@@ -192,14 +204,13 @@ def _tier_ttft(args, workdir: Path) -> list[dict]:
             before = srv.metrics()
             t = [(await _stream_one(client, p, 4))[0] for p in ps]
             after = srv.metrics()
-            h2d = after.get('kvstrata_tier_transfer_pages_total{"path": "h2d"}', 0) - \
-                before.get('kvstrata_tier_transfer_pages_total{"path": "h2d"}', 0)
-            cached = sum(after.get(f'kvstrata_prefix_cached_tokens_total{{"tier": "{x}"}}', 0) -
-                         before.get(f'kvstrata_prefix_cached_tokens_total{{"tier": "{x}"}}', 0)
-                         for x in ("device", "host", "disk", "remote"))
+            key = 'kvstrata_tier_promoted_pages_total{"tier": "host"}'
+            promoted = after.get(key, 0) - before.get(key, 0)
+            cached = {k.split('"')[3]: v - before.get(k, 0) for k, v in after.items()
+                      if k.startswith("kvstrata_prefix_cached_tokens_total")}
             rows.append({"case": label, "requests": len(ps), "ttft_p50_ms": 1e3 * _pct(t, .5),
                          "ttft_max_ms": 1e3 * max(t), "cached_tokens": cached,
-                         "h2d_pages": h2d})
+                         "promoted": promoted})
 
         async def main():
             await _stream_one(client, _prompt("warm-up\n", 0), 2)
@@ -261,22 +272,22 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.max_seq_len}, page 16, fp32, {args.threads} torch thread(s); prefix tokens "
              f"reused over the sweep: {reused:.0f} of {prompt_tokens:.0f}.", "",
              "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | engine alone "
-             "tok/s (ceiling) | server / ceiling | engine alone TTFT p50 ms |",
+             "tok/s | server / engine alone | engine alone TTFT p50 / p99 ms |",
              "|---|---|---|---|---|---|---|---|---|"]
     for pt in points:
         c = ceiling[pt["concurrency"]]
         lines.append(f"| {pt['concurrency']} | {pt['requests']} | {pt['tok_s']:.0f} | "
                      f"{pt['req_s']:.2f} | {pt['ttft_p50_ms']:.0f} | {pt['ttft_p99_ms']:.0f} | "
                      f"{c['tok_s']:.0f} | {pt['tok_s'] / c['tok_s']:.2f} | "
-                     f"{c['ttft_p50_ms']:.0f} |")
+                     f"{c['ttft_p50_ms']:.0f} / {c['ttft_p99_ms']:.0f} |")
     if not args.skip_tiers:
         rows = _tier_ttft(args, workdir)
         lines += ["", "| case (one request at a time) | requests | TTFT p50 ms | TTFT max ms | "
-                  "prompt tokens from cache | host->device pages |", "|---|---|---|---|---|---|"]
+                  "prompt tokens from cache, by tier | pages promoted from the host tier |", "|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['case']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | "
-                         f"{r['ttft_max_ms']:.1f} | {r['cached_tokens']:.0f} | "
-                         f"{r['h2d_pages']:.0f} |")
+                         f"{r['ttft_max_ms']:.1f} | {_by_tier(r['cached_tokens'])} | "
+                         f"{r['promoted']:.0f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

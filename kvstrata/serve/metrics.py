@@ -22,8 +22,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "TIERS"]
 
 TIERS = ("device", "host", "disk", "remote")
-#: ``TierManager.stats()`` page counters: device->host, host->device, host->disk, disk->host.
-TRANSFER_PATHS = ("d2h", "h2d", "host_to_disk", "disk_to_host")
+#: lower tier -> the ``TierManager.stats()`` counter of pages demoted into it / promoted out of it
+DEMOTIONS = {"host": "d2h_pages", "disk": "host_to_disk_pages"}
+PROMOTIONS = {"host": "h2d_pages", "disk": "disk_to_host_pages"}
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -74,12 +75,16 @@ class _StatsCollector:
                 if f"{tier}_capacity_bytes" in tiers:
                     tc.add_metric([tier], tiers[f"{tier}_capacity_bytes"])
             yield from (tp, tb, tc)
-            moved = CounterMetricFamily("kvstrata_tier_transfer_pages", "Pages moved between "
-                                        "tiers, by path", labels=["path"])
-            for path in TRANSFER_PATHS:
-                if f"{path}_pages" in tiers:
-                    moved.add_metric([path], tiers[f"{path}_pages"])
-            yield moved
+            down = CounterMetricFamily("kvstrata_tier_demoted_pages", "Pages demoted into a "
+                                       "lower tier", labels=["tier"])
+            up = CounterMetricFamily("kvstrata_tier_promoted_pages", "Pages promoted out of a "
+                                     "lower tier (host: into the device pool; disk: to the host)",
+                                     labels=["tier"])
+            for fam, moves in ((down, DEMOTIONS), (up, PROMOTIONS)):
+                for tier, key in moves.items():
+                    if key in tiers:
+                        fam.add_metric([tier], tiers[key])
+            yield from (down, up)
 
 
 class ServerMetrics:

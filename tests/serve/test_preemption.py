@@ -60,7 +60,7 @@ def test_preemption_gives_undisturbed_answers(tmp_path):
             assert r.usage.completion_tokens == len(w)
         m = wait_idle(srv)
         assert m["kvstrata_engine_preemptions_total"] > 0
-        assert m['kvstrata_tier_transfer_pages_total{path="d2h"}'] > 0     # to the host tier
+        assert m['kvstrata_tier_demoted_pages_total{tier="host"}'] > 0
         assert m['kvstrata_pool_pages{state="in_use"}'] == 0
     except BaseException:
         print(srv.log.read_text()[-8000:])
