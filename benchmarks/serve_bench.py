@@ -6,9 +6,10 @@ Two parts, both against a real server process on a loopback port, driven by the 
 1. **Concurrency sweep**, prefix-heavy: every prompt is one shared header (a system prompt of
    ``--shared-bytes``) plus a short unique question. ``c`` clients each send ``--per-client``
    streaming requests one after another; reported: generated tokens/s, requests/s, client-side TTFT
-   p50/p99 (request sent -> first streamed text). The ceiling measured in the same run is the engine
-   alone under the same closed loop (``c`` in-process clients on ``add_request``/``step``, no HTTP),
-   in this process after the server stopped (same cache configuration and threads).
+   p50/p99 (request sent -> first streamed text), and the CPU both processes used. The ceiling,
+   measured right after each server run in the same process as the clients (the server idle), is
+   the engine alone under the same closed loop (``c`` clients on ``add_request``/``step``, no
+   HTTP, same cache configuration and threads).
 2. **TTFT with tier hits vs without** at concurrency 1: a device pool of two sequences and a host
    tier. Cold prompts (nothing cached); the last prompt again (a device-pool hit); the first prompts
    again (evicted from the device by then, so their prefix comes back from the host tier;
@@ -126,8 +127,14 @@ async def _stream_one(client, prompt: str, max_tokens: int) -> tuple[float, int,
     return ttft, n, time.perf_counter() - t0
 
 
-async def _sweep_point(url: str, shared: str, c: int, per_client: int, max_tokens: int,
-                       start: int) -> dict:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _sweep_point(url: str, server_pid: int, shared: str, c: int, per_client: int,
+                       max_tokens: int, start: int) -> dict:
     import openai
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
                                 timeout=600)
@@ -136,37 +143,39 @@ async def _sweep_point(url: str, shared: str, c: int, per_client: int, max_token
         return [await _stream_one(client, _prompt(shared, start + i * per_client + j),
                                   max_tokens) for j in range(per_client)]
 
-    t0 = time.perf_counter()
+    t0, cpu0, srv0 = time.perf_counter(), time.process_time(), _cpu_s(server_pid)
     res = [r for rs in await asyncio.gather(*(one_client(i) for i in range(c))) for r in rs]
     wall = time.perf_counter() - t0
+    cpu, srv_cpu = time.process_time() - cpu0, _cpu_s(server_pid) - srv0
     await client.close()
-    ttfts = [r[0] for r in res]
     toks = sum(r[1] for r in res)
-    return {"concurrency": c, "requests": len(res), "tokens": toks, "wall_s": wall,
-            "tok_s": toks / wall, "req_s": len(res) / wall, "ttft_p50_ms": 1e3 * _pct(ttfts, .5),
-            "ttft_p99_ms": 1e3 * _pct(ttfts, .99)}
+    return {"requests": len(res), "tok_s": toks / wall, "req_s": len(res) / wall,
+            "ttfts": [r[0] for r in res], "client_cpu": cpu / wall, "server_cpu": srv_cpu / wall}
 
 
-def _offline(args, shared: str, levels: list[int]) -> dict[int, dict]:
+class _EngineAlone:
     """The engine alone, same closed loop: ``c`` in-process clients, each adding its next request
     (``LLM.add_request``) when its previous one finished, driven by ``LLM.step`` (no HTTP, no
     thread hand-off). TTFT is the engine's (``add_request`` to the first token)."""
-    from kvstrata.runtime import LLM, CacheConfig, SamplingParams
-    llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=args.max_batch_size,
-                                        max_seq_len=args.max_seq_len, target_codec="identity",
-                                        draft_codec="identity"), device="cpu",
-              num_threads=args.threads)
-    sp = SamplingParams(max_tokens=args.max_tokens)
-    llm.generate([_prompt(shared, 10_000)], sp)        # warm: the shared header cached
-    out, k = {}, 20_000
-    for c in levels:
-        todo = {i: [_prompt(shared, k + i * args.per_client + j) for j in range(args.per_client)]
+
+    def __init__(self, args, shared: str):
+        from kvstrata.runtime import LLM, CacheConfig, SamplingParams
+        self.args, self.shared = args, shared
+        self.llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=args.max_batch_size,
+                                                 max_seq_len=args.max_seq_len,
+                                                 target_codec="identity", draft_codec="identity"),
+                       device="cpu", num_threads=args.threads)
+        self.sp = SamplingParams(max_tokens=args.max_tokens)
+        self.llm.generate([_prompt(shared, 10_000)], self.sp)   # warm: the shared header cached
+
+    def point(self, c: int, start: int) -> dict:
+        llm, per = self.llm, self.args.per_client
+        todo = {i: [_prompt(self.shared, start + i * per + j) for j in range(per)]
                 for i in range(c)}
-        k += c * args.per_client
         owner, ttfts, toks = {}, [], 0
         t0 = time.perf_counter()
         for i in range(c):
-            owner[llm.add_request(todo[i].pop(0), sp)] = i
+            owner[llm.add_request(todo[i].pop(0), self.sp)] = i
         while llm.has_unfinished():
             for d in llm.step():
                 toks += len(d.new_token_ids)
@@ -174,12 +183,8 @@ def _offline(args, shared: str, levels: list[int]) -> dict[int, dict]:
                     ttfts.append(d.ttft_s)
                 if d.finished and todo[owner[d.request_id]]:
                     i = owner.pop(d.request_id)
-                    owner[llm.add_request(todo[i].pop(0), sp)] = i
-        wall = time.perf_counter() - t0
-        out[c] = {"tok_s": toks / wall, "ttft_p50_ms": 1e3 * _pct(ttfts, .5),
-                  "ttft_p99_ms": 1e3 * _pct(ttfts, .99)}
-    llm.close()
-    return out
+                    owner[llm.add_request(todo[i].pop(0), self.sp)] = i
+        return {"tok_s": toks / (time.perf_counter() - t0), "ttfts": ttfts}
 
 
 def _tier_ttft(args, workdir: Path) -> list[dict]:
@@ -225,6 +230,19 @@ def _tier_ttft(args, workdir: Path) -> list[dict]:
     return rows
 
 
+def _summary(c: int, srv_pts: list[dict], eng_pts: list[dict]) -> dict:
+    med = statistics.median
+    st = [t for p in srv_pts for t in p["ttfts"]]
+    et = [t for p in eng_pts for t in p["ttfts"]]
+    tok, etok = med(p["tok_s"] for p in srv_pts), med(p["tok_s"] for p in eng_pts)
+    return {"clients": c, "tok_s": tok, "req_s": med(p["req_s"] for p in srv_pts),
+            "ttft_p50_ms": 1e3 * _pct(st, .5), "ttft_p99_ms": 1e3 * _pct(st, .99),
+            "engine_tok_s": etok, "ratio": tok / etok, "engine_ttft_p50_ms": 1e3 * _pct(et, .5),
+            "engine_ttft_p99_ms": 1e3 * _pct(et, .99),
+            "server_cpu": med(p["server_cpu"] for p in srv_pts),
+            "client_cpu": med(p["client_cpu"] for p in srv_pts)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=1, help="torch threads of server and ceiling")
+    p.add_argument("--repeats", type=int, default=3, help="runs per concurrency level")
     p.add_argument("--tier-prompts", type=int, default=6)
     p.add_argument("--page-bytes", type=int, help="bytes per page (default: the tiny pair's)")
     p.add_argument("--skip-tiers", action="store_true")
@@ -249,41 +268,51 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+    engine = _EngineAlone(args, shared)
     srv = _Server(["--max-seq-len", str(args.max_seq_len), "--max-batch-size",
                    str(args.max_batch_size), "--target-codec", "identity", "--draft-codec",
                    "identity"], args.threads, workdir)
+    rows, k = [], 20_000
     try:
-        asyncio.run(_sweep_point(srv.url, shared, 1, 1, args.max_tokens, 10_000))   # warm-up
-        points, k = [], 20_000
+        asyncio.run(_sweep_point(srv.url, srv.proc.pid, shared, 1, 1, args.max_tokens, 10_000))
         for c in levels:
-            points.append(asyncio.run(_sweep_point(srv.url, shared, c, args.per_client,
-                                                   args.max_tokens, k)))
-            k += c * args.per_client
-            print(json.dumps(points[-1]), flush=True)
+            # Server and engine alone back to back, repeated: the machine is shared and its load
+            # drifts; the ratio of medians compares like with like.
+            srv_pts, eng_pts = [], []
+            for _ in range(args.repeats):
+                srv_pts.append(asyncio.run(_sweep_point(srv.url, srv.proc.pid, shared, c,
+                                                        args.per_client, args.max_tokens, k)))
+                k += c * args.per_client
+                eng_pts.append(engine.point(c, k))
+                k += c * args.per_client
+            rows.append(_summary(c, srv_pts, eng_pts))
+            print(json.dumps(rows[-1]), flush=True)
         m = srv.metrics()
     finally:
         srv.stop()
-    ceiling = _offline(args, shared, levels)
-    reused = m.get('kvstrata_prefix_cached_tokens_total{"tier": "device"}', 0)
+        engine.llm.close()
+    reused = sum(v for key, v in m.items() if key.startswith("kvstrata_prefix_cached_tokens_total"))
     prompt_tokens = m.get("kvstrata_prompt_tokens_total", 0)
     lines = [f"Prompt: {len(shared)}-token shared header + a unique ~20-token question; "
              f"{args.max_tokens} new tokens, greedy; {args.per_client} streaming requests per "
              f"client in turn; max_batch_size={args.max_batch_size}, max_seq_len="
-             f"{args.max_seq_len}, page 16, fp32, {args.threads} torch thread(s); prefix tokens "
-             f"reused over the sweep: {reused:.0f} of {prompt_tokens:.0f}.", "",
-             "| clients | requests | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | engine alone "
-             "tok/s | server / engine alone | engine alone TTFT p50 / p99 ms |",
+             f"{args.max_seq_len}, page 16, fp32, {args.threads} torch thread(s); median of "
+             f"{args.repeats} runs per row, each beside an engine-alone run; prefix tokens "
+             f"reused by the server: {reused:.0f} of {prompt_tokens:.0f}.", "",
+             "| clients | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | engine alone tok/s | "
+             "server / engine alone | engine alone TTFT p50 / p99 ms | CPU: server / client |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for pt in points:
-        c = ceiling[pt["concurrency"]]
-        lines.append(f"| {pt['concurrency']} | {pt['requests']} | {pt['tok_s']:.0f} | "
-                     f"{pt['req_s']:.2f} | {pt['ttft_p50_ms']:.0f} | {pt['ttft_p99_ms']:.0f} | "
-                     f"{c['tok_s']:.0f} | {pt['tok_s'] / c['tok_s']:.2f} | "
-                     f"{c['ttft_p50_ms']:.0f} / {c['ttft_p99_ms']:.0f} |")
+    for r in rows:
+        lines.append(f"| {r['clients']} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
+                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['engine_tok_s']:.0f} | "
+                     f"{r['ratio']:.2f} | {r['engine_ttft_p50_ms']:.0f} / "
+                     f"{r['engine_ttft_p99_ms']:.0f} | {r['server_cpu']:.0%} / "
+                     f"{r['client_cpu']:.0%} |")
     if not args.skip_tiers:
         rows = _tier_ttft(args, workdir)
         lines += ["", "| case (one request at a time) | requests | TTFT p50 ms | TTFT max ms | "
-                  "prompt tokens from cache, by tier | pages promoted from the host tier |", "|---|---|---|---|---|---|"]
+                  "prompt tokens from cache, by tier | pages promoted from the host tier |",
+                  "|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['case']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | "
                          f"{r['ttft_max_ms']:.1f} | {_by_tier(r['cached_tokens'])} | "
