@@ -173,7 +173,7 @@ class _EngineAlone:
         todo = {i: [_prompt(self.shared, start + i * per + j) for j in range(per)]
                 for i in range(c)}
         owner, ttfts, toks = {}, [], 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for i in range(c):
             owner[llm.add_request(todo[i].pop(0), self.sp)] = i
         while llm.has_unfinished():
@@ -184,7 +184,8 @@ class _EngineAlone:
                 if d.finished and todo[owner[d.request_id]]:
                     i = owner.pop(d.request_id)
                     owner[llm.add_request(todo[i].pop(0), self.sp)] = i
-        return {"tok_s": toks / (time.perf_counter() - t0), "ttfts": ttfts}
+        wall = time.perf_counter() - t0
+        return {"tok_s": toks / wall, "ttfts": ttfts, "cpu": (time.process_time() - cpu0) / wall}
 
 
 def _tier_ttft(args, workdir: Path) -> list[dict]:
@@ -240,7 +241,8 @@ def _summary(c: int, srv_pts: list[dict], eng_pts: list[dict]) -> dict:
             "engine_tok_s": etok, "ratio": tok / etok, "engine_ttft_p50_ms": 1e3 * _pct(et, .5),
             "engine_ttft_p99_ms": 1e3 * _pct(et, .99),
             "server_cpu": med(p["server_cpu"] for p in srv_pts),
-            "client_cpu": med(p["client_cpu"] for p in srv_pts)}
+            "client_cpu": med(p["client_cpu"] for p in srv_pts),
+            "engine_cpu": med(p["cpu"] for p in eng_pts)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,14 +302,15 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.repeats} runs per row, each beside an engine-alone run; prefix tokens "
              f"reused by the server: {reused:.0f} of {prompt_tokens:.0f}.", "",
              "| clients | tok/s | req/s | TTFT p50 ms | TTFT p99 ms | engine alone tok/s | "
-             "server / engine alone | engine alone TTFT p50 / p99 ms | CPU: server / client |",
+             "server / engine alone | engine alone TTFT p50 / p99 ms | CPU: server / client / "
+             "engine alone |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['clients']} | {r['tok_s']:.0f} | {r['req_s']:.2f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['engine_tok_s']:.0f} | "
                      f"{r['ratio']:.2f} | {r['engine_ttft_p50_ms']:.0f} / "
                      f"{r['engine_ttft_p99_ms']:.0f} | {r['server_cpu']:.0%} / "
-                     f"{r['client_cpu']:.0%} |")
+                     f"{r['client_cpu']:.0%} / {r['engine_cpu']:.0%} |")
     if not args.skip_tiers:
         rows = _tier_ttft(args, workdir)
         lines += ["", "| case (one request at a time) | requests | TTFT p50 ms | TTFT max ms | "

@@ -260,7 +260,7 @@ class _Server:
         if req.stream and len(prompts) != 1:
             raise APIError(400, "streaming takes one prompt per request", param="prompt")
         ids = [self.encode(p) for p in prompts]
-        params = self.sampling(req, req.max_tokens)
+        params = self.sampling(req, 16 if req.max_tokens is None else req.max_tokens)
         streams: list[RequestStream] = []
         try:
             for p in ids:

@@ -113,7 +113,7 @@ class CompletionRequest(_Sampling):
     (one choice per prompt; streaming takes one prompt)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1)     # null: OpenAI's default, 16
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None

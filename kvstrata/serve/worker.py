@@ -105,9 +105,12 @@ class EngineWorker:
         self._inbox.put(("stop", None, None, None))
         if self._thread is not None:
             self._thread.join(timeout)
-        close = getattr(self.llm, "close", None)
-        if close is not None:
-            close()
+            if self._thread.is_alive():
+                # Still inside a step: closing now would touch the engine from a second thread.
+                log.error("the engine thread did not stop within %.0f s; the engine is left open",
+                          timeout)
+                return
+        self.llm.close()
 
     # -- engine thread ---------------------------------------------------------------------------
     def _reply(self, fut, result: Any = None, exc: BaseException | None = None) -> None:
