@@ -71,16 +71,15 @@ def _free_port() -> int:
 
 
 class _Server:
-    #: how the server starts: the ``kvstrata`` CLI module, or a script taking the same arguments
-    launcher: list[str] = ["-m", "kvstrata.cli.main"]
+    device = "cpu"
 
     def __init__(self, args: list[str], threads: int, workdir: Path):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / f"server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, *self.launcher, "serve", MODEL, "--drafter", MODEL,
-             "--port", str(self.port), "--threads", str(threads), "--device", "cpu",
+            [sys.executable, "-m", "kvstrata", "serve", MODEL, "--drafter", MODEL,
+             "--port", str(self.port), "--threads", str(threads), "--device", self.device,
              "--log-level", "warning", *args], stdout=self.log, stderr=subprocess.STDOUT,
             cwd=workdir)
         deadline = time.monotonic() + 120
@@ -164,7 +163,7 @@ class _EngineAlone:
         self.llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=args.max_batch_size,
                                                  max_seq_len=args.max_seq_len,
                                                  target_codec="identity", draft_codec="identity"),
-                       device="cpu", num_threads=args.threads)
+                       device=args.device, num_threads=args.threads)
         self.sp = SamplingParams(max_tokens=args.max_tokens)
         self.llm.generate([_prompt(shared, 10_000)], self.sp)   # warm: the shared header cached
 
@@ -188,10 +187,9 @@ class _EngineAlone:
         return {"tok_s": toks / wall, "ttfts": ttfts, "cpu": (time.process_time() - cpu0) / wall}
 
 
-def _tier_ttft(args, workdir: Path) -> list[dict]:
+def _tier_ttft(args, workdir: Path, page_bytes: int) -> list[dict]:
     """TTFT of cold prompts, device-pool hits and host-tier hits, one request at a time."""
     import openai
-    page_bytes = 65536 if args.page_bytes is None else args.page_bytes
     seq_pages = -(-args.max_seq_len // 16)
     srv = _Server(["--max-seq-len", str(args.max_seq_len), "--max-batch-size", "2",
                    "--kv-cache-bytes", str(2 * seq_pages * page_bytes),
@@ -257,14 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of server and ceiling")
     p.add_argument("--repeats", type=int, default=3, help="runs per concurrency level")
     p.add_argument("--tier-prompts", type=int, default=6)
-    p.add_argument("--page-bytes", type=int, help="bytes per page (default: the tiny pair's)")
+    p.add_argument("--device", default="cpu", help="device of the server and the engine alone")
     p.add_argument("--skip-tiers", action="store_true")
-    p.add_argument("--launcher", help="a Python script taking the kvstrata CLI's arguments, "
-                   "instead of python -m kvstrata.cli.main")
     p.add_argument("--out", help="write the markdown tables here too")
     args = p.parse_args(argv)
-    if args.launcher:
-        _Server.launcher = [str(Path(args.launcher).resolve())]
+    _Server.device = args.device
     levels = [int(x) for x in args.concurrency.split(",")]
     shared = _shared_header(args.shared_bytes)
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))
@@ -292,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         m = srv.metrics()
     finally:
         srv.stop()
+        page_bytes = engine.llm.plan.bytes_per_page
         engine.llm.close()
     reused = sum(v for key, v in m.items() if key.startswith("kvstrata_prefix_cached_tokens_total"))
     prompt_tokens = m.get("kvstrata_prompt_tokens_total", 0)
@@ -312,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['engine_ttft_p99_ms']:.0f} | {r['server_cpu']:.0%} / "
                      f"{r['client_cpu']:.0%} / {r['engine_cpu']:.0%} |")
     if not args.skip_tiers:
-        rows = _tier_ttft(args, workdir)
+        rows = _tier_ttft(args, workdir, page_bytes)
         lines += ["", "| case (one request at a time) | requests | TTFT p50 ms | TTFT max ms | "
                   "prompt tokens from cache, by tier | pages promoted from the host tier |",
                   "|---|---|---|---|---|---|"]

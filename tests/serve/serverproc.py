@@ -1,7 +1,8 @@
-"""A real ``kvstrata serve`` process on a free loopback port, and the offline engine to compare with.
+"""Helpers of the server tests: a real ``kvstrata serve`` process on a free loopback port (run in
+a temporary directory, stopped with SIGINT, then SIGKILL, by whoever started it), raw HTTP, and
+``/metrics`` parsed with prometheus_client's own parser.
 
-The server runs the shipped pair on the CPU with one torch thread (2-core machines); it is stopped
-(SIGINT, then SIGKILL) by the fixture that started it, and its log is printed when a test fails.
+The server runs the shipped pair on the CPU with one torch thread (2-core machines).
 """
 
 from __future__ import annotations
