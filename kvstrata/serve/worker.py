@@ -55,7 +55,6 @@ class EngineWorker:
         self._streams: dict[str, RequestStream] = {}        # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self.failure: str | None = None
 
     # -- event-loop side ----------------------------------------------------------------------
@@ -83,7 +82,11 @@ class EngineWorker:
         stream = RequestStream(request_id, asyncio.Queue(), arrival)
         fut = self._loop.create_future()
         self._inbox.put(("add", stream, (prompt, params, request_id, cache_salt), fut))
-        await fut
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abort(stream)      # queued after the add: the engine frees it right away
+            raise
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -101,7 +104,6 @@ class EngineWorker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is running, stop the thread, then close the engine."""
-        self._stopping = True
         self._inbox.put(("stop", None, None, None))
         if self._thread is not None:
             self._thread.join(timeout)
