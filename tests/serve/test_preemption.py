@@ -24,15 +24,13 @@ MAX_SEQ_LEN, BATCH, POOL_PAGES, MAX_TOKENS, PROMPT_LEN = 256, 8, 40, 150, 96
 def test_preemption_gives_undisturbed_answers(tmp_path):
     prompts = heldout_prompts(BATCH, PROMPT_LEN, seed=3)      # byte token ids
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        llm = LLM(MODEL, MODEL, CacheConfig(max_batch_size=BATCH, max_seq_len=MAX_SEQ_LEN,
-                                            target_codec="identity", draft_codec="identity"),
-                  device="cpu")
-        want = [o.token_ids for o in
-                llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
-        page_bytes = llm.plan.bytes_per_page
-        llm.close()
+        with LLM(MODEL, MODEL, CacheConfig(max_batch_size=BATCH, max_seq_len=MAX_SEQ_LEN,
+                                           target_codec="identity", draft_codec="identity"),
+                 device="cpu", num_threads=1) as llm:
+            want = [o.token_ids for o in
+                    llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+            page_bytes = llm.plan.bytes_per_page
     finally:
         torch.set_num_threads(threads)
     srv = start_server(tmp_path, [

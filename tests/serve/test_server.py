@@ -36,8 +36,7 @@ MAX_TOKENS = 16
 def offline():
     """Greedy answers of the offline engine, keyed by (prompt text, max_tokens)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    llm = LLM(MODEL, MODEL, cache=CacheConfig(**CACHE), device="cpu")
+    llm = LLM(MODEL, MODEL, cache=CacheConfig(**CACHE), device="cpu", num_threads=1)
     memo: dict[tuple[str, int], list[int]] = {}
 
     def answer(*prompts: str, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -50,6 +49,7 @@ def offline():
         return [memo[p, max_tokens] for p in prompts]
 
     yield answer
+    llm.close()
     torch.set_num_threads(threads)
 
 
