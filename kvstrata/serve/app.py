@@ -257,8 +257,6 @@ class _Server:
             prompts = req.prompts()
         except ValueError as e:
             raise APIError(400, str(e), param="prompt")
-        if req.stream and len(prompts) != 1:
-            raise APIError(400, "streaming takes one prompt per request", param="prompt")
         ids = [self.encode(p) for p in prompts]
         params = self.sampling(req, 16 if req.max_tokens is None else req.max_tokens)
         streams: list[RequestStream] = []
@@ -270,7 +268,7 @@ class _Server:
                 self.worker.abort(s)
             raise
         if req.stream:
-            return self.stream_response(streams[0], req, chat=False)
+            return self.stream_response(streams, req, chat=False)
         results = await self.run_to_end(request, streams)
         return self.reply(streams[0], "text_completion", results, [
             {"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason}
@@ -293,7 +291,7 @@ class _Server:
         stream = await self.submit(ids, self.sampling(req, max_tokens), req.cache_salt,
                                    "chatcmpl", arrival)
         if req.stream:
-            return self.stream_response(stream, req, chat=True)
+            return self.stream_response([stream], req, chat=True)
         r = (await self.run_to_end(request, [stream]))[0]
         return self.reply(stream, "chat.completion", [r], [
             {"index": 0, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
@@ -309,20 +307,46 @@ class _Server:
                             sum(r.num_tokens for r in results),
                             sum(r.num_cached_tokens for r in results))})
 
-    def stream_response(self, stream: RequestStream, req, chat: bool) -> Response:
-        return _EventStream(self.events(stream, req, chat), lambda: self.worker.abort(stream))
+    def stream_response(self, streams: list[RequestStream], req, chat: bool) -> Response:
+        def abort_all():
+            for st in streams:
+                self.worker.abort(st)
+        return _EventStream(self.events(streams, req, chat), abort_all)
 
-    async def events(self, stream: RequestStream, req, chat: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-        head = {"id": stream.request_id, "created": created, "model": self.model,
+    async def merged(self, streams: list[RequestStream]):
+        """``(choice index, delta)`` of every stream, in arrival order, until all finished."""
+        if len(streams) == 1:           # the common case needs no pump tasks
+            async for d in self.deltas(streams[0]):
+                yield 0, d
+            return
+        out: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, st: RequestStream):
+            async for d in self.deltas(st):
+                out.put_nowait((i, d))
+
+        tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
+        try:
+            for _ in streams:
+                while True:
+                    i, d = await out.get()
+                    yield i, d
+                    if d.finished:
+                        break
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def events(self, streams: list[RequestStream], req, chat: bool) -> AsyncIterator[str]:
+        head = {"id": streams[0].request_id, "created": int(time.time()), "model": self.model,
                 "object": "chat.completion.chunk" if chat else "text_completion"}
 
-        def chunk(text: str | None, finish: str | None) -> str:
+        def chunk(i: int, text: str | None, finish: str | None) -> str:
             if chat:
                 delta = {} if text is None else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": i, "text": text or "", "logprobs": None,
                           "finish_reason": finish}
             return _sse({**head, "choices": [choice]})
 
@@ -330,19 +354,24 @@ class _Server:
             yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                   "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-        n = 0
-        async for d in self.deltas(stream):
-            n += len(d.new_token_ids)
+        done: list[_Result] = []
+        n = [0] * len(streams)
+        async for i, d in self.merged(streams):
+            n[i] += len(d.new_token_ids)
             if d.finish_reason == "error":
                 yield _sse(error_body(d.error or "the engine failed", "server_error"))
                 break
             if d.new_text:
-                yield chunk(d.new_text, None)
+                yield chunk(i, d.new_text, None)
             if d.finished:
-                yield chunk(None, d.finish_reason)
-                if req.include_usage:
-                    yield _sse({**head, "choices": [],
-                                "usage": _usage(d.num_prompt_tokens, n, d.num_cached_tokens)})
+                yield chunk(i, None, d.finish_reason)
+                done.append(_Result("", n[i], d.finish_reason, d.num_prompt_tokens,
+                                    d.num_cached_tokens))
+        else:
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(
+                    sum(r.num_prompt_tokens for r in done), sum(r.num_tokens for r in done),
+                    sum(r.num_cached_tokens for r in done))})
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request) -> Response:

@@ -110,7 +110,7 @@ def _unsupported(name: str, v: Any, off: Any) -> Any:
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a list of either
-    (one choice per prompt; streaming takes one prompt)."""
+    (one choice per prompt)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: int | None = Field(16, ge=1)     # null: OpenAI's default, 16

@@ -110,6 +110,16 @@ def test_completions_chat_and_stream_equal_offline(client, offline):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == MAX_TOKENS
 
+    # Several prompts in one stream: chunks interleave, each choice's text is its own answer.
+    chunks = list(client.completions.create(model=model, prompt=[p1, p2], max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    for i, w in enumerate(want[1:]):
+        assert "".join(c.choices[0].text for c in chunks
+                       if c.choices and c.choices[0].index == i) == decode(w)
+    assert chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+    assert chunks[-1].usage.prompt_tokens == len(encode(p1)) + len(encode(p2))
+
     # Chat through the model's template (the byte-level pair's renders Python comments).
     msgs = [{"role": "system", "content": "You complete Python."},
             {"role": "user", "content": "def fibonacci(n):"}]
