@@ -48,11 +48,11 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(tmp: Path, args: list[str], env: dict | None = None,
-                 timeout: float = 90.0) -> Server:
+def start_server(tmp: Path, args: list[str], env: dict | None = None, timeout: float = 90.0,
+                 target: str = MODEL, drafter: str = MODEL) -> Server:
     port = free_port()
     log = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "kvstrata", "serve", MODEL, "--drafter", MODEL,
+    cmd = [sys.executable, "-m", "kvstrata", "serve", target, "--drafter", drafter,
            "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--device", "cpu",
            "--log-level", "warning", *args]
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
