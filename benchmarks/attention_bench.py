@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstrata.kernels.attention import paged_attention, plan_attention  # noqa: E402
+from kvstrata.kernels.attention import paged_attention  # noqa: E402
+from kvstrata.kernels.attention_plan import plan_attention  # noqa: E402
 
 from _timing import median_ms  # noqa: E402  (benchmarks/ is on sys.path when a script here runs)
 
@@ -315,8 +316,8 @@ def sweep_case(timer: Timer, device: torch.device, batch: int, ctx: int, verify_
     Stages (each expands the ``topk`` best configs so far): split factor x reduce mode (default
     tiles), then tiles (BLOCK_N x stages x warps), then (verify) query rows per program, then
     (fused) the reduce chunk. ``full`` times the whole product instead (slow)."""
-    from kvstrata.kernels.attention import SplitPolicy
-    from kvstrata.kernels.attention_triton import kernel_config, paged_attention_triton
+    from kvstrata.kernels.attention_plan import SplitPolicy, kernel_config
+    from kvstrata.kernels.attention_triton import paged_attention_triton
     kv, bt, k, v = make_kv(device, batch, ctx, gen)
     scale = D ** -0.5
     res = dict(batch=batch, ctx=ctx)

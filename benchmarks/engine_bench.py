@@ -28,7 +28,7 @@ import time
 import torch
 
 from kvstrata.drafter import DFlashConfig, DFlashDrafter, PagedDraftAttention
-from kvstrata.kernels.attention import plan_attention
+from kvstrata.kernels.attention_plan import plan_attention
 from kvstrata.pagepool.pool import PagePool
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 from kvstrata.runtime.qwen3 import Qwen3Config, Qwen3Model

@@ -123,7 +123,7 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
     d 128, bf16), captured in a graph: per-layer device time with the fused single-launch
     merge and with split + merge launches, against bytes / copy rate."""
     from kvstrata.kernels import attention_triton as at
-    from kvstrata.kernels.attention import plan_attention
+    from kvstrata.kernels.attention_plan import plan_attention
     pages = ctx // 16
     kv = torch.randn((pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
     bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]

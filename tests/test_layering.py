@@ -65,3 +65,57 @@ def test_imports_only_point_down():
             if dep != me and RANK[dep] >= RANK[me]:
                 bad.append(f"{path.relative_to(ROOT)} ({me}) imports {dep}")
     assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["kvstrata", *parts])
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The kvstrata modules ``path`` imports (lazy imports included); ``from pkg import name``
+    counts as importing ``pkg.name`` when that is a module, else ``pkg``."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        pkg = pkg[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - (node.level - 1)]
+                mod = ".".join(base + (node.module.split(".") if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                out.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m in modules}
+
+
+def test_no_import_loops_between_modules():
+    """Two modules never import each other, directly or through others (a package's
+    ``__init__`` re-exporting its own modules is not a loop: it is left out of the graph)."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = set(paths)
+    graph = {m: {d for d in _imported_modules(p, modules)
+                 if d != m and paths[d].name != "__init__.py"}
+             for m, p in paths.items() if p.name != "__init__.py"}
+    loops, state = [], {}
+
+    def visit(m, stack):
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                loops.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not loops, "import loops:\n" + "\n".join(loops)

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..dtypes import canonical_dtype
-from ..kernels.attention import paged_attention, plan_attention
+from ..kernels.attention import paged_attention
+from ..kernels.attention_plan import plan_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
 from ..nn.layers import RMSNorm, SwiGLUMLP, rope_cos_sin

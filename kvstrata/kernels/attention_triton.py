@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._device import num_sms
-from .attention import AttentionMetadata
+from .attention_plan import REDUCE_TILE, AttentionMetadata, block_q_for, kernel_config
 
 _LOG2E = 1.4426950408889634
 
@@ -285,72 +285,11 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
              res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
-#: Decode launches of at most this many programs per SM merge their splits in the same launch.
-FUSED_DECODE_WAVES = 4
-#: Switch for that policy: off, measured slower (H200, 1 x 8k decode, 64 splits, in a graph:
-#: 31.7 us fused vs 18.1 us split + merge per layer; 1 x 32k: 50.8 vs 42.1; docs/benchmarks.md).
-FUSED_DECODE = False
-#: Partial-output elements one merge program holds (heads x splits x head_dim).
-REDUCE_TILE = 4096
-
-
-def _block_q(group: int, max_query_len: int) -> int:
-    """Query tokens per program: ``BLOCK_Q * GROUP_PAD`` rows, >= 16 for tl.dot, <= 64."""
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(1, min(triton.next_power_of_2(max(max_query_len, 1)), 64 // group_pad))
-    return max(block_q, 16 // group_pad) if group_pad < 16 else block_q
-
-
-def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0,
-                  programs: int = 0, num_sms: int = 132) -> dict:
-    """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
-    any of them; ``benchmarks/attention_bench.py --sweep-cases`` measures the alternatives).
-
-    ``BLOCK_Q * GROUP_PAD`` rows (>= 16 for tl.dot, ~64 for verify/prefill); ``BLOCK_N`` KV
-    tokens per tile; ``FUSED_REDUCE``: split-KV merges its partials in the same launch (the last
-    split program of each (sequence, q block, KV head) merges) instead of a second kernel;
-    ``RED_CHUNK``: splits merged per step by that program; ``SPLIT_LOOP``: run the KV tiles
-    that every query row sees whole without masks (causal/no-window), masking only the tail;
-    ``maxnreg`` (optional): cap the registers per thread (more programs per SM).
-    ``programs``: the launch's grid size (0 = unknown), against ``num_sms``.
-    """
-    group_pad = triton.next_power_of_2(group)
-    block_q = _block_q(group, max_query_len)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    # Measured on an H200 (docs/benchmarks.md, attention config sweep, bf16 GQA 32/8 d128):
-    # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
-    # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
-    # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
-    # reduce lost everywhere (its merging program walks the rows serially), batch-1 decode
-    # included (FUSED_DECODE; runner_bench measures it), so it stays off.
-    # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
-    # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
-    # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
-    # 61.9 with 32; the register cap loses there, 58.7); more programs run best on 32-token
-    # tiles capped at 128 registers, 4 programs per SM (128 x 1k verify 157.3 us vs 184.9;
-    # 8 x 2k prefill 852 vs 989; 64 x 2k draft block 152 vs 221; 8 x 8k verify: tie).
-    block_m = block_q * group_pad
-    # Decode (one query row block) with few programs: the last split program merges in the same
-    # launch (the merge walks only GROUP rows), one launch instead of split + merge.
-    fused = (FUSED_DECODE and max_query_len <= 1 and block_q * group_pad <= 16
-             and 0 < programs <= FUSED_DECODE_WAVES * num_sms)
-    maxnreg = None
-    if block_d > 128:
-        block_n = 32
-    elif block_m >= 64:
-        block_n = 64 if 0 < programs <= 2 * num_sms else 32
-        if programs > 2 * num_sms:
-            maxnreg = 128
-    else:
-        block_n = 32 if 0 < tokens_per_split <= 128 else 64
-    return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=fused, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
-
-
-#: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
-#: last program of each group resets its counter). Grown, never shrunk; allocate before a CUDA
-#: graph capture by running the kernel once (any warm-up does).
+#: A process-wide cache (written only by :func:`split_counters`): per-device int32 arrival
+#: counters of the fused split reduce (all zero between launches: the last program of each group
+#: resets its counter). Grown, never shrunk; a grown-out buffer is kept in ``_RETIRED`` because a
+#: queued launch may still use it. Allocate before a CUDA graph capture by running the kernel
+#: once (any warm-up does).
 _COUNTERS: dict[torch.device, Tensor] = {}
 _RETIRED: list[Tensor] = []
 
@@ -391,7 +330,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         out = torch.empty_like(q)
     if T == 0 or meta.num_seqs == 0:
         return out
-    blk_q = (config or {}).get("BLOCK_Q", _block_q(group, meta.max_query_len))
+    blk_q = (config or {}).get("BLOCK_Q", block_q_for(group, meta.max_query_len))
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / blk_q)
     cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split,
                         programs=meta.num_seqs * num_q_blocks * hkv * meta.num_splits,
@@ -465,4 +404,4 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     return out
 
 
-__all__ = ["kernel_config", "paged_attention_triton", "split_counters"]
+__all__ = ["paged_attention_triton", "split_counters"]

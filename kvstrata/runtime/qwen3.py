@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ..dtypes import canonical_dtype, dtype_name
-from ..kernels.attention import AttentionMetadata, paged_attention
+from ..kernels.attention import paged_attention
+from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP

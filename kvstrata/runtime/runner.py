@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
-from ..kernels.attention import AttentionMetadata, choose_num_splits, plan_attention
+from ..kernels.attention_plan import AttentionMetadata, choose_num_splits, plan_attention
 from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
                        sampling_probs)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstrata.kernels.attention import AttentionMetadata, SplitPolicy, plan_attention
+from kvstrata.kernels.attention_plan import AttentionMetadata, SplitPolicy, plan_attention
 
 
 @dataclass
@@ -26,7 +26,7 @@ def make_case(seq_lens, q_lens, *, hkv=2, group=4, head_dim=64, page_size=16, nu
               num_splits=None, block=False, split_policy=None) -> PagedCase:
     """Random (never zero) paged KV; each sequence's pages are a random, shuffled subset.
 
-    ``split_policy`` (a :class:`~kvstrata.kernels.attention.SplitPolicy`) lets short test
+    ``split_policy`` (a :class:`~kvstrata.kernels.attention_plan.SplitPolicy`) lets short test
     sequences use short splits (e.g. ``align=16``) so every split holds real keys."""
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(s / page_size) for s in seq_lens]

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.attention import paged_attention, paged_attention_ref, plan_attention
+from kvstrata.kernels.attention import paged_attention, paged_attention_ref
+from kvstrata.kernels.attention_plan import plan_attention
 from test_attention_helpers import make_case
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from kvstrata.kernels.attention import (SplitPolicy, choose_num_splits, paged_attention,
-                                        paged_attention_ref, plan_attention)
+from kvstrata.kernels.attention import paged_attention, paged_attention_ref
+from kvstrata.kernels.attention_plan import SplitPolicy, choose_num_splits, plan_attention
 from kvstrata.kernels.attention_triton import paged_attention_triton, split_counters
 from kvstrata.kernels.kv_write import write_kv
 from test_attention_helpers import FINE_SPLITS, make_case, tol
@@ -276,7 +276,7 @@ def test_cuda_fused_reduce_repeated_launches_and_graph_replay():
 def test_kernel_config_tiles_follow_the_grid():
     # 64 query rows: 64-token tiles while the launch fits one wave (<= 2 programs per SM),
     # 32-token tiles capped at 128 registers beyond; decode unchanged.
-    from kvstrata.kernels.attention_triton import kernel_config
+    from kvstrata.kernels.attention_plan import kernel_config
     one_wave = kernel_config(4, 128, 16, 0, programs=256, num_sms=132)
     assert one_wave["BLOCK_Q"] * one_wave["GROUP_PAD"] == 64
     assert one_wave["BLOCK_N"] == 64 and one_wave["maxnreg"] is None

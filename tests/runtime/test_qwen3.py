@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvstrata.kernels.attention import plan_attention  # noqa: E402
+from kvstrata.kernels.attention_plan import plan_attention  # noqa: E402
 from kvstrata.pagepool.hashing import Namespace  # noqa: E402
 from kvstrata.pagepool.manager import KVCacheManager  # noqa: E402
 from kvstrata.pagepool.pool import PagePool  # noqa: E402
