@@ -13,7 +13,7 @@ rounding to the page dtype. Blocks and slabs that are all zero decode to exact z
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -149,31 +149,6 @@ class NVFP4Codec(Codec):
         self._decode_rows(encoded.payload.reshape(1, -1), out.unsqueeze(0), None)
         return out
 
-    def decode_batch_into(self, encoded: Sequence[EncodedPage], pool: torch.Tensor,
-                          page_ids: torch.Tensor) -> torch.Tensor:
-        """Decode many pages in one launch into ``pool[page_ids]``.
-
-        pool: ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``; page_ids: ``[M]``
-        int, one per encoded page. Payloads are gathered and copied to ``pool.device`` once.
-        """
-        if len(encoded) != page_ids.numel():
-            raise ValueError(f"{len(encoded)} encoded pages but {page_ids.numel()} page ids")
-        for enc in encoded:
-            self._validate(enc)
-            if enc.shape != tuple(pool.shape[1:]):
-                raise ValueError(f"encoded page shape {enc.shape} does not fit pool pages "
-                                 f"{tuple(pool.shape[1:])}")
-        if not encoded:
-            return pool
-        if all(e.payload.device == pool.device for e in encoded):
-            rows = torch.stack([e.payload.reshape(-1) for e in encoded])
-        elif pool.device.type == "cpu":
-            rows = torch.stack([e.payload.reshape(-1).cpu() for e in encoded])
-        else:
-            rows = _to_device_stacked(encoded, pool.device)
-        self._decode_rows(rows, pool, page_ids)
-        return pool
-
     def _decode_rows(self, rows: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None
                      ) -> None:
         rows = rows.to(out.device, non_blocking=True)
@@ -189,15 +164,6 @@ class NVFP4Codec(Codec):
 
     def encoded_nbytes(self, spec: Any, page_size: int) -> int:
         return nvfp4_layout(2 * spec.num_layers, spec.num_kv_heads * page_size, spec.head_dim)[3]
-
-
-def _to_device_stacked(encoded: Sequence[EncodedPage], device: torch.device) -> torch.Tensor:
-    # One pinned staging buffer and one H2D copy instead of one small copy per page.
-    n = encoded[0].nbytes
-    host = torch.empty(len(encoded), n, dtype=torch.uint8, pin_memory=True)
-    for i, e in enumerate(encoded):
-        host[i].copy_(e.payload)
-    return host.to(device, non_blocking=True)
 
 
 register_codec("nvfp4", NVFP4Codec)
