@@ -4,8 +4,9 @@
 choice of :func:`choose_num_splits` under a :class:`SplitPolicy`) that every layer's
 :func:`kvstrata.kernels.attention.paged_attention` call reuses; :func:`kernel_config` picks the
 Triton kernel's tiles and launch knobs for a plan. Both the torch reference
-(:mod:`kvstrata.kernels.attention`) and the Triton kernels (:mod:`kvstrata.kernels.attention_triton`)
-import this module; it imports neither (no Triton needed to plan).
+(:mod:`kvstrata.kernels.attention`) and the Triton kernels
+(:mod:`kvstrata.kernels.attention_triton`) import this module; it imports neither (no Triton
+needed to plan).
 """
 
 from __future__ import annotations

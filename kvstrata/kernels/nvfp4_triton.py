@@ -622,13 +622,11 @@ def _check_rows(t: torch.Tensor, m: int, total: int, device: torch.device, what:
                          f"{t.stride()}")
 
 
-_RCP_TABLES: dict[torch.device, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _rcp_table(device: torch.device) -> torch.Tensor:
-    if device not in _RCP_TABLES:
-        _RCP_TABLES[device] = rcp_table().to(device)
-    return _RCP_TABLES[device]
+    """The encoder's reciprocal table on ``device`` (a cache: one small read-only tensor per
+    device for the process's life; the kernels only read it)."""
+    return rcp_table().to(device)
 
 
 @functools.lru_cache(maxsize=None)
