@@ -204,7 +204,7 @@ class EngineCore:
         return self.pool.num_available - headroom >= need
 
     def _admit(self, sched: Scheduler) -> None:
-        while sched.waiting and sched.free_slots() > 0:
+        while sched.waiting and sched.free_seats() > 0:
             r = sched.waiting[0]
             if r.state != DECODE and not self._fits(sched, r):
                 break

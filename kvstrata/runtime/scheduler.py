@@ -142,7 +142,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def free_slots(self) -> int:
+    def free_seats(self) -> int:
         return self.max_batch_size - len(self.running)
 
     def schedule(self) -> StepPlan:

@@ -28,9 +28,9 @@ Codecs and tiers: host slots hold device-codec output (identity or NVFP4, encode
 a CPU-only lossless codec (``lossless``), whose host header says identity. CPU codecs run at the
 boundary to the lower tiers: :meth:`HostTier.records` encodes such a group's raw host bytes
 with the configured codec into the record (records in lower tiers always hold the configured
-codec's output, so ``check_groups`` and ``kvstrata inspect --verify`` see the same records
-everywhere), and :meth:`HostTier.fill` decodes them back into raw host bytes. Eviction and promotion
-through the host therefore never wait for the device nor run a CPU codec; host byte counters
+codec's output, so ``check_record_groups`` and ``kvstrata inspect --verify`` see the same
+records everywhere), and :meth:`HostTier.fill` decodes them back into raw host bytes. Eviction
+and promotion through the host therefore never wait for the device nor run a CPU codec; host byte counters
 (``host_bytes``, ``d2h_bytes``, ``h2d_bytes``) count raw bytes for those groups.
 
 The host tier is inclusive: a page promoted from a lower tier keeps its host copy, and a page
@@ -273,7 +273,7 @@ class TierManager:
                 chunk = chunk[:len(slots)]
                 if not chunk:
                     continue
-            entries, ev, refused = self.mover.down(self.ns_digest, chunk, slots)
+            entries, ev, refused = self.mover.demote(self.ns_digest, chunk, slots)
             self.host.add(entries, ev, refused)
             self.counters["d2h_pages"] += len(entries)
             self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
@@ -397,7 +397,7 @@ class TierManager:
             chunk = list(pages[k:k + self.batch])
             entries = self._stage(chunk)
             if entries:
-                self.mover.up(entries, page_ids[k:k + len(entries)])
+                self.mover.promote(entries, page_ids[k:k + len(entries)])
                 self.counters["h2d_pages"] += len(entries)
                 self.counters["h2d_bytes"] += sum(e.nbytes for e in entries)
             done += len(entries)

@@ -181,8 +181,8 @@ def check_identity(rec: Record, ns_digest: bytes, info: PageInfo | None) -> None
             raise RecordMismatch("record's token ids differ from the page asked for")
 
 
-def check_groups(rec: Record, specs: Sequence[KVGroupSpec], codecs: Sequence[Codec],
-                 page_size: int) -> None:
+def check_record_groups(rec: Record, specs: Sequence[KVGroupSpec],
+                        codecs: Sequence[Codec], page_size: int) -> None:
     """Each group's name, codec name + version, dtype and shape are what this process writes."""
     got = rec.header["groups"]
     if [g.get("name") for g in got] != [s.name for s in specs]:
@@ -226,6 +226,6 @@ def verify_record(data: bytes | memoryview | Sequence[bytes | memoryview], ns_di
     :func:`parse_record` takes them); raises a CorruptPageError subclass."""
     rec = parse_record(data)
     check_identity(rec, ns_digest, info)
-    check_groups(rec, specs, codecs, page_size)
+    check_record_groups(rec, specs, codecs, page_size)
     check_payloads(rec)
     return rec

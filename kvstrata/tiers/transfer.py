@@ -139,9 +139,9 @@ class Mover:
         # Two buffers per direction when a batch has several chunks (one is filled while the
         # other is copied), one when a batch is a single chunk (nothing to overlap within it).
         nbuf = 2 if self.chunk_pages < batch_pages else 1
-        self._down = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
-        self._up = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
-        self._last_up = None     # event after which no H2D batch reads host slots any more
+        self._demotes = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
+        self._promotes = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
+        self._last_promote = None     # event after which no H2D batch reads host slots any more
 
     @contextmanager
     def _timed(self, key: str, stream=None) -> Iterator[None]:
@@ -165,9 +165,9 @@ class Mover:
 
     def fence_host_writes(self) -> None:
         """Before the CPU writes into host slots: no H2D copy may still be reading them."""
-        if self._last_up is not None:
-            self._last_up.synchronize()
-            self._last_up = None
+        if self._last_promote is not None:
+            self._last_promote.synchronize()
+            self._last_promote = None
 
     # -- device -> host -----------------------------------------------------------------------------
     def _chunks(self, n: int) -> Iterator[tuple[int, int, int]]:
@@ -175,7 +175,7 @@ class Mover:
         for c, k in enumerate(range(0, n, self.chunk_pages)):
             yield c, k, min(self.chunk_pages, n - k)
 
-    def down(self, ns: bytes, infos: Sequence[PageInfo], slots: Sequence[int]):
+    def demote(self, ns: bytes, infos: Sequence[PageInfo], slots: Sequence[int]):
         """Encode pages ``infos[i].page_id`` into host slots ``slots[i]``.
 
         Returns ``(entries, event, refused)``: pass them to :meth:`HostTier.add` (the event
@@ -188,7 +188,7 @@ class Mover:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
         if len(slots) != n:
             raise ValueError(f"{n} pages but {len(slots)} host slots")
-        p = self._down
+        p = self._demotes
         headers: list[list[EncodedPage]] = [[] for _ in range(n)]
         sizes: list[list[int]] = [[] for _ in range(n)]
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -214,7 +214,7 @@ class Mover:
                 encoded = _mark(p.work)
                 _after(p.copy, encoded)
                 if c == 0:
-                    _after(p.copy, self._last_up)  # slots being reused may still feed an H2D
+                    _after(p.copy, self._last_promote)  # slots being reused may still feed an H2D
                 with _on(p.copy):
                     self._rows_to_slots(stage, slots[k:k + m])
                     if flags:
@@ -253,7 +253,7 @@ class Mover:
             if codec.rows_path:
                 nb = self.host.max_sizes[gi]
                 timer = nullcontext() if codec.name == "identity" else self._timed(
-                    "encode_s", self._down.work)
+                    "encode_s", self._demotes.work)
                 rows = (stage[:, off:off + nb] if buf is None
                         else buf[0].view(buf[1], n, (off, off + nb)))
                 with timer:
@@ -266,7 +266,7 @@ class Mover:
                     headers[j].append(hdr)
                     sizes[j].append(nb)
                 continue
-            with self._timed("encode_s", self._down.work):
+            with self._timed("encode_s", self._demotes.work):
                 encs = [codec.encode(kv[i]) for i in src.tolist()]
             for j, enc in enumerate(encs):
                 if enc.nbytes > self.host.max_sizes[gi]:
@@ -283,12 +283,12 @@ class Mover:
             self.host.rows(slot, k).copy_(src, non_blocking=self.cuda)
 
     # -- host -> device -----------------------------------------------------------------------------
-    def up(self, entries: Sequence[HostEntry], page_ids: Sequence[int]):
+    def promote(self, entries: Sequence[HostEntry], page_ids: Sequence[int]):
         """Decode host entries into pool pages ``page_ids``. Returns the batch's event (or None)."""
         n = len(entries)
         if n > self.batch_pages:
             raise ValueError(f"a batch holds at most {self.batch_pages} pages, got {n}")
-        p = self._up
+        p = self._promotes
         slots = [e.slot for e in entries]
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
@@ -311,7 +311,7 @@ class Mover:
         # `done` follows the last decode, which follows every copy of the batch.
         _after(compute, done)
         if done is not None:
-            self._last_up = done
+            self._last_promote = done
         return done
 
     def _decode(self, stage: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
@@ -333,7 +333,7 @@ class Mover:
                 nb = self.host.max_sizes[gi]
                 if all(_same_format(e.headers[gi], want) and e.sizes[gi] == nb for e in entries):
                     timer = nullcontext() if codec.name == "identity" else self._timed(
-                        "decode_s", self._up.work)
+                        "decode_s", self._promotes.work)
                     rows = (stage[:n, off:off + nb] if buf is None
                             else buf[0].view(buf[1], n, (off, off + nb)))
                     with timer:
@@ -341,7 +341,7 @@ class Mover:
                     done = True
             if not done:
                 # Host bytes were verified when they arrived: no second checksum pass.
-                with self._timed("decode_s", self._up.work):
+                with self._timed("decode_s", self._promotes.work):
                     for j, (e, pid) in enumerate(zip(entries, dst.tolist())):
                         enc = replace(e.headers[gi], checksum=None,
                                       payload=stage[j, off:off + e.sizes[gi]])

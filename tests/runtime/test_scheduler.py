@@ -49,7 +49,7 @@ def test_last_block_is_shortened_to_max_length_and_seats_count():
     assert r.block_len(16) == 2
     s = Scheduler(max_batch_size=2, token_budget=64, block_size=4)
     s.running.append(r)
-    assert s.free_slots() == 1
+    assert s.free_seats() == 1
 
 
 def test_retire_takes_finished_only():

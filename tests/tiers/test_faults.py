@@ -17,7 +17,8 @@ from kvstrata.codecs import get_codec
 from kvstrata.pagepool import PageInfo, hash_page
 from kvstrata.tiers import DiskTier, record
 from kvstrata.tiers import diskindex
-from kvstrata.tiers.record import build_record, check_groups, check_identity, check_payloads, parse_record
+from kvstrata.tiers.record import (build_record, check_identity, check_payloads, check_record_groups,
+                                   parse_record)
 
 from tierutil import PAGE, Stack, make_groups, page_content
 
@@ -49,7 +50,7 @@ def _verify_all(path) -> int:
         for key, buf in d.iter_records():
             rec = parse_record(buf)
             check_identity(rec, NS_DIGEST, None)
-            check_groups(rec, GROUPS, CODECS, PAGE)
+            check_record_groups(rec, GROUPS, CODECS, PAGE)
             check_payloads(rec)
             assert rec.page_hash == key
             for g, c, enc in zip(GROUPS, CODECS, rec.encoded()):

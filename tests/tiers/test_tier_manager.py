@@ -159,10 +159,10 @@ def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tm
     # they go to disk; the records on disk are the lossless codec's, as before.
     from kvstrata.codecs import LosslessCodec
     from kvstrata.tiers import transfer
-    from kvstrata.tiers.record import check_groups, check_payloads, parse_record
+    from kvstrata.tiers.record import check_record_groups, check_payloads, parse_record
 
     in_down, encodes = [], []
-    real_encode, real_down = LosslessCodec.encode, transfer.Mover.down
+    real_encode, real_down = LosslessCodec.encode, transfer.Mover.demote
 
     def encode(self, page):
         if in_down:
@@ -170,14 +170,14 @@ def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tm
         encodes.append(page.shape)
         return real_encode(self, page)
 
-    def down(self, *a, **k):
+    def demote(self, *a, **k):
         in_down.append(True)
         try:
             return real_down(self, *a, **k)
         finally:
             in_down.pop()
     monkeypatch.setattr(LosslessCodec, "encode", encode)
-    monkeypatch.setattr(transfer.Mover, "down", down)
+    monkeypatch.setattr(transfer.Mover, "demote", demote)
 
     s = Stack(tmp_path, codecs=("identity", "lossless"), num_pages=8, host_pages=2)
     draft = s.groups[1]
@@ -201,7 +201,7 @@ def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tm
     with s.disk.reader() as get:
         for h in hashes:
             rec = parse_record([bytes(x) for x in get(h)])
-            check_groups(rec, s.groups, s.tiers.codecs, PAGE)
+            check_record_groups(rec, s.groups, s.tiers.codecs, PAGE)
             check_payloads(rec)
             g = rec.header["groups"][1]
             assert g["codec"] == "lossless" and len(g["meta"]["planes"]) == 4   # fp32 planes

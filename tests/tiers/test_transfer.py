@@ -32,7 +32,7 @@ def test_every_chunking_moves_the_same_bytes(tmp_path, codecs):
                               batch_pages=7, chunk_pages=chunk)
         s.mgr.lower = s.tiers
         assert s.tiers.mover.chunk_pages == min(chunk, 7)
-        assert len(s.tiers.mover._down.bufs) == (2 if chunk < 7 else 1)
+        assert len(s.tiers.mover._demotes.bufs) == (2 if chunk < 7 else 1)
         s.run(tokens)
         s.pool.evict(s.pool.num_cached)
         hashes = page_hashes(s.ns, tokens)
@@ -103,7 +103,7 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     monkeypatch.setattr(transfer, "_on", t.on)
     monkeypatch.setattr(transfer, "_mark", t.mark)
     monkeypatch.setattr(transfer, "_after", t.after)
-    for p in (mover._down, mover._up):
+    for p in (mover._demotes, mover._promotes):
         p.work, p.copy = "work", "copy"
     stage_ids = {}
 
@@ -117,7 +117,7 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     if direction == "down":
         monkeypatch.setattr(mover, "_gather", record("fill", mover._gather))
         monkeypatch.setattr(mover, "_rows_to_slots", record("drain", mover._rows_to_slots))
-        _, ev, _ = mover.down(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
+        _, ev, _ = mover.demote(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
         fill, drain = "work", "copy"
     else:
         real_runs = transfer._runs
@@ -127,7 +127,7 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
             t.op("fill", len([o for o in t.ops["copy"] if o[0] == "fill"]))
             return real_runs(slots)
         monkeypatch.setattr(transfer, "_runs", runs)
-        ev = mover.up(entries, list(range(9)))
+        ev = mover.promote(entries, list(range(9)))
         fill, drain = "copy", "work"
     pos = {(kind, c): (st, i) for st, ops in t.ops.items() for i, (kind, c) in enumerate(ops)
            if kind != "wait"}
@@ -163,7 +163,7 @@ def test_refused_page_flags_line_up_across_chunks(tmp_path, chunk):
     infos = [PageInfo(i, bytes([i]) * 16, b"\0" * 16, (i,) * PAGE) for i in range(5)]
     s.pool.kv["target"][:5].normal_()
     s.pool.kv["target"][3, 1, 1, 0, 2, 5] = float("inf")
-    _, ev, refused = mover.down(s.ns.digest, infos, [0, 1, 2, 3, 4])
+    _, ev, refused = mover.demote(s.ns.digest, infos, [0, 1, 2, 3, 4])
     assert ev is None and refused.reshape(5, -1).ne(0).any(dim=1).tolist() == [False] * 3 + [True, False]
 
 
