@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 import torch
 
 from .hashing import Namespace, chain_hashes, page_hashes
-from .pool import OutOfPagesError, PageInfo, PagePool
+from .pool import OutOfPagesError, PageKey, PagePool
 
 
 class PrefixSource(Protocol):
@@ -33,7 +33,7 @@ class PrefixSource(Protocol):
     def lookup_prefix(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
         """Number of consecutive pages, starting at ``hashes[0]``, this tier can provide."""
 
-    def load_prefix(self, namespace: Namespace, pages: Sequence[PageInfo],
+    def load_prefix(self, namespace: Namespace, pages: Sequence[PageKey],
                     page_ids: Sequence[int]) -> int:
         """Write ``pages`` (hash, parent, tokens) into device pages ``page_ids`` in one batch.
 
@@ -201,8 +201,8 @@ class KVCacheManager:
         k = min(k, self.pool.num_available)
         if k <= 0:
             return []
-        infos = [PageInfo(-1, hashes[i], hashes[i - 1] if i else ns.digest,
-                          tuple(token_ids[i * P:(i + 1) * P])) for i in range(start, start + k)]
+        infos = [PageKey(hashes[i], hashes[i - 1] if i else ns.digest,
+                         tuple(token_ids[i * P:(i + 1) * P])) for i in range(start, start + k)]
         new = self.pool.allocate(k)
         try:
             m = self.lower.load_prefix(ns, infos, new)

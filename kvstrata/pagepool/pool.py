@@ -35,13 +35,28 @@ class OutOfPagesError(RuntimeError):
 
 
 @dataclass(slots=True, frozen=True)
+class PageKey:
+    """What a hashed page holds, wherever it lives: its chain hash, its parent's, and the page's
+    token ids (a page in a lower tier, or about to be loaded: no device page id)."""
+
+    hash: bytes
+    parent_hash: bytes
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
 class PageInfo:
-    """What a hashed page holds: its chain hash, its parent's, and the page's token ids."""
+    """A hashed device page: its id in the pool, and what it holds (as in :class:`PageKey`)."""
 
     page_id: int
     hash: bytes
     parent_hash: bytes
     token_ids: tuple[int, ...]
+
+    @property
+    def key(self) -> PageKey:
+        """What the page holds, without the device page it sits in."""
+        return PageKey(self.hash, self.parent_hash, self.token_ids)
 
 
 #: Called with the pages about to be evicted (their content is still intact during the call).

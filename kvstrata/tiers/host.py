@@ -35,7 +35,7 @@ import torch
 
 from ..codecs import Codec, CorruptPageError, EncodedPage, LosslessCodec, get_codec
 from ..dtypes import canonical_dtype, dtype_name
-from ..pagepool import KVGroupSpec, PageInfo, format_bytes
+from ..pagepool import KVGroupSpec, PageKey, format_bytes
 from .protocol import Parts, check_key, new_counters, record_nbytes
 from .record import (Record, RecordMismatch, build_record, check_identity, check_payloads,
                      parse_record)
@@ -64,7 +64,7 @@ class HostEntry:
     """One page in the host tier: which slot, and each group's codec header (payload lives in the
     slot, ``sizes[i]`` bytes at ``HostTier.offsets[i]``)."""
 
-    info: PageInfo
+    info: PageKey
     ns: bytes
     slot: int
     headers: list[EncodedPage]      # payload fields are empty placeholders; bytes are in the slot
@@ -307,7 +307,7 @@ class HostTier:
         self.discard(list(self._entries))
 
     # -- records in and out -------------------------------------------------------------------
-    def fill(self, slot: int, info: PageInfo, ns: bytes, rec: Record) -> HostEntry:
+    def fill(self, slot: int, info: PageKey, ns: bytes, rec: Record) -> HostEntry:
         """Copy a verified record into slot ``slot`` in each group's host format: as it is, or
         decoded to raw bytes (CPU) for a group kept raw on the host whose record holds its
         configured codec. Returns the (not yet visible) entry; pass it to :meth:`add`. Raises
@@ -415,7 +415,7 @@ class HostTier:
                 check_payloads(rec)
                 if h["hash"] != key:
                     raise RecordMismatch("record holds another page than its key")
-                info = PageInfo(-1, key, h["parent"], tuple(h["tokens"]))
+                info = PageKey(key, h["parent"], tuple(h["tokens"]))
                 slots, victims = self.take_slots(1)
                 if not slots:
                     raise CorruptPageError("the host tier has no slot")

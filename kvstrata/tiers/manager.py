@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 
 from ..codecs import CorruptPageError, get_codec
-from ..pagepool import Namespace, PageInfo, PagePool, PoolView
+from ..pagepool import Namespace, PageInfo, PageKey, PagePool, PoolView
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
 from .protocol import Parts, Tier, leading
@@ -383,7 +383,7 @@ class TierManager:
             n += 1
         return n
 
-    def load_prefix(self, namespace: Namespace, pages: Sequence[PageInfo],
+    def load_prefix(self, namespace: Namespace, pages: Sequence[PageKey],
                     page_ids: Sequence[int]) -> int:
         """Decode ``pages`` into device pages ``page_ids``; returns the verified leading count
         (:attr:`last_load` says how many came from each tier)."""
@@ -405,7 +405,7 @@ class TierManager:
                 break
         return done
 
-    def _stage(self, chunk: list[PageInfo]) -> list[HostEntry]:
+    def _stage(self, chunk: list[PageKey]) -> list[HostEntry]:
         """Host entries for the leading pages of ``chunk``, reading the missing ones from the
         lower tiers."""
         keep = frozenset(i.hash for i in chunk)
@@ -429,7 +429,7 @@ class TierManager:
         self.host.touch(e.info.hash for e in out)
         return out
 
-    def _from_lower(self, infos: list[PageInfo], keep: frozenset[bytes]
+    def _from_lower(self, infos: list[PageKey], keep: frozenset[bytes]
                     ) -> list[HostEntry | None]:
         """Read, verify and copy records into host slots, each from the nearest tier holding
         it. Stops at the first page no tier holds or whose record fails (deleted there)."""

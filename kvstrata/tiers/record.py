@@ -30,7 +30,7 @@ import msgpack
 
 from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32, get_codec
 from ..dtypes import dtype_name
-from ..pagepool import KVGroupSpec, PageInfo, hash_page
+from ..pagepool import KVGroupSpec, PageInfo, PageKey, hash_page
 
 #: Bump whenever the record layout or header schema changes; older records become misses.
 #: 2: the disk tier stores head and payloads as separate values (version 1 joined them).
@@ -66,7 +66,7 @@ class Record:
         return [EncodedPage.from_header(g, p) for g, p in zip(self.header["groups"], self.payloads)]
 
 
-def build_record(ns_digest: bytes, info: PageInfo, names: Sequence[str],
+def build_record(ns_digest: bytes, info: PageKey | PageInfo, names: Sequence[str],
                  pages: Sequence[EncodedPage], payloads: Sequence[memoryview | bytes],
                  created: float | None = None) -> list[bytes | memoryview]:
     """Record parts ``[head, payload_0, ...]`` (head = prefix + header), ready to be written as
@@ -163,7 +163,7 @@ def check_payloads(rec: Record) -> None:
             raise ChecksumError(f"group {g['name']!r}: payload checksum mismatch")
 
 
-def check_identity(rec: Record, ns_digest: bytes, info: PageInfo | None) -> None:
+def check_identity(rec: Record, ns_digest: bytes, info: PageKey | PageInfo | None) -> None:
     """The record is the page ``info`` (or, with ``info=None``, *a* page) under ``ns_digest``:
     namespace, hash chain link and token ids all agree."""
     h = rec.header
@@ -220,7 +220,7 @@ def check_stored(rec: Record, key: bytes, ns_digest: bytes | None = None) -> Non
 
 
 def verify_record(data: bytes | memoryview | Sequence[bytes | memoryview], ns_digest: bytes,
-                  info: PageInfo, specs: Sequence[KVGroupSpec], codecs: Sequence[Codec],
+                  info: PageKey | PageInfo, specs: Sequence[KVGroupSpec], codecs: Sequence[Codec],
                   page_size: int) -> Record:
     """Everything a promotion needs before trusting a record (one buffer or its parts, as
     :func:`parse_record` takes them); raises a CorruptPageError subclass."""

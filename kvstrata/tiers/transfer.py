@@ -229,7 +229,7 @@ class Mover:
         # visible in the host tier once `done` (the last copy; copies run in order) completed,
         # and only if no codec refused it. Nothing here waits for the device.
         _after(compute, encoded)
-        entries = [HostEntry(info, ns, s, headers[j], sizes[j]) for j, (info, s) in
+        entries = [HostEntry(info.key, ns, s, headers[j], sizes[j]) for j, (info, s) in
                    enumerate(zip(infos, slots))]
         return entries, done, refused
 

@@ -117,7 +117,9 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     if direction == "down":
         monkeypatch.setattr(mover, "_gather", record("fill", mover._gather))
         monkeypatch.setattr(mover, "_rows_to_slots", record("drain", mover._rows_to_slots))
-        _, ev, _ = mover.demote(s.ns.digest, [e.info for e in entries], [e.slot for e in entries])
+        infos = [PageInfo(j, e.info.hash, e.info.parent_hash, e.info.token_ids)
+                 for j, e in enumerate(entries)]      # host entries keep no device page id
+        _, ev, _ = mover.demote(s.ns.digest, infos, [e.slot for e in entries])
         fill, drain = "work", "copy"
     else:
         real_runs = transfer._runs
