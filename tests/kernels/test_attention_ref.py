@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvstrata.kernels.attention import paged_attention, paged_attention_ref
 from kvstrata.kernels.attention_plan import plan_attention
-from test_attention_helpers import make_case
+from attention_cases import make_case
 
 
 def _dense(case, sm_scale, window=None):

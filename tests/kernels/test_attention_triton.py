@@ -10,7 +10,7 @@ from kvstrata.kernels.attention import paged_attention, paged_attention_ref
 from kvstrata.kernels.attention_plan import SplitPolicy, choose_num_splits, plan_attention
 from kvstrata.kernels.attention_triton import paged_attention_triton, split_counters
 from kvstrata.kernels.kv_write import write_kv
-from test_attention_helpers import FINE_SPLITS, make_case, tol
+from attention_cases import FINE_SPLITS, make_case, tol
 
 
 def _check(case, sm_scale=0.3, window=None, config=None, counters=None):
