@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from ..dtypes import canonical_dtype
+from ..nn.hfconfig import decoder_fields
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -32,13 +33,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     start, end = 1, num_target_layers - 3
     span = end - start
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def _positive_int(d: Mapping, key: str, where: str) -> int:
-    v = d.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise ValueError(f"{where}: {key!r} must be a positive integer, got {v!r}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -74,14 +68,8 @@ class DFlashConfig:
         def get(name, default=None):
             return dcfg.get(name, d.get(name, default))
 
-        n_layers = _positive_int(d, "num_hidden_layers", where)
-        hidden = _positive_int(d, "hidden_size", where)
-        heads = _positive_int(d, "num_attention_heads", where)
-        kv_heads = d.get("num_key_value_heads") or heads
-        head_dim = d.get("head_dim") or hidden // heads
-        if heads % kv_heads:
-            raise ValueError(f"{where}: num_attention_heads={heads} is not a multiple of "
-                             f"num_key_value_heads={kv_heads}")
+        common = decoder_fields(d, where, rope_theta=10000.0, max_position_embeddings=32768)
+        n_layers = common["num_hidden_layers"]
         n_target = get("num_target_layers")
         if not isinstance(n_target, int) or n_target <= 0:
             raise ValueError(f"{where}: 'num_target_layers' must be a positive integer (the "
@@ -116,18 +104,11 @@ class DFlashConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"{where}: rope type {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         softcap = get("final_logit_softcapping")
         dt = d.get("dtype") or d.get("torch_dtype")
         return cls(
-            hidden_size=hidden, intermediate_size=_positive_int(d, "intermediate_size", where),
-            num_hidden_layers=n_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=head_dim, vocab_size=_positive_int(d, "vocab_size", where),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            block_size=block, num_target_layers=n_target, mask_token_id=mask,
+            **common, block_size=block, num_target_layers=n_target, mask_token_id=mask,
             target_layer_ids=taps, layer_causal=causal, layer_window=windows,
-            attention_bias=bool(d.get("attention_bias", False)),
             input_embedding_scale=float(get("input_embedding_scale", 1.0)),
             output_multiplier=float(get("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,

@@ -23,6 +23,7 @@ from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from ..nn.hfconfig import decoder_fields
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
                          weights_fingerprint)
 from ..pagepool.spec import KVGroupSpec
@@ -78,12 +79,9 @@ class Qwen3Config:
         if mt != "qwen3" and not any(a in _ARCHS for a in archs):
             raise CheckpointError(f"not a Qwen3 checkpoint: model_type={mt!r}, "
                                   f"architectures={archs}; kvstrata's target model is Qwen3")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in d]
-        if missing:
-            raise CheckpointError(f"Qwen3 config lacks {missing}")
-        heads = d["num_attention_heads"]
-        layers = d["num_hidden_layers"]
+        common = decoder_fields(d, "Qwen3 config", rope_theta=1_000_000.0,
+                                max_position_embeddings=40960)
+        layers = common["num_hidden_layers"]
         windows = None
         if d.get("use_sliding_window") and d.get("sliding_window"):
             types = d.get("layer_types") or [
@@ -92,19 +90,9 @@ class Qwen3Config:
             windows = tuple(d["sliding_window"] if t == "sliding_attention" else None
                             for t in types)
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get(
-                "rope_theta", 1_000_000.0))),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            **common, tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
-            rope_scaling=_rope_scaling(d), attention_bias=bool(d.get("attention_bias", False)),
-            sliding_windows=windows)
+            rope_scaling=_rope_scaling(d), sliding_windows=windows)
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "Qwen3Config":
