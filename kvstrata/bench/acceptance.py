@@ -337,6 +337,8 @@ def run_length_sweep(prompt_lens: Iterable[int] = SWEEP_LENS, n_prompts: int = 1
     lens = [int(n) for n in prompt_lens]
     if not lens:
         raise ValueError("prompt_lens is empty: give at least one prompt length")
+    if len(set(lens)) != len(lens):
+        raise ValueError(f"prompt_lens has repeats: {lens}")
     scenarios = tuple(scenarios)
     t0 = time.perf_counter()
     runs = []
@@ -377,7 +379,8 @@ def render_sweep_markdown(result: dict) -> str:
             lines.append(
                 f"| {n} | {p['scenario']} | {p['backend']} | {codecs} | {cold['mean_al']:.3f} | "
                 f"{cold['early_al']:.3f} | {p['source']} | {p['mean_al']:.3f} "
-                f"({p['al_ratio']:.3f}) | {p['early_al']:.3f} | {_same(p)} | "
+                f"({'-' if p['al_ratio'] is None else format(p['al_ratio'], '.3f')}) | "
+                f"{p['early_al']:.3f} | {_same(p)} | "
                 f"{cold['ttft_s'] * 1e3:.1f} | {p['ttft_s'] * 1e3:.1f} |")
     return "\n".join(lines) + "\n"
 

@@ -29,10 +29,10 @@ from pathlib import Path
 HELP = "multi-turn workload over the tiers: paged vs arena drafter, table + plot"
 
 #: option -> value of the default run and of ``--long``
-DEFAULT = {"conversations": 8, "turns": 6, "max_tokens": 32, "context_bytes": 2048,
-           "user_bytes": 64}
-LONG = {"conversations": 8, "turns": 10, "max_tokens": 32, "context_bytes": 2560,
-        "user_bytes": 64}
+DEFAULT = {"conversations": 8, "turns": 6, "max_tokens": 24, "context_bytes": 2048,
+           "user_bytes": 32}
+LONG = {"conversations": 8, "turns": 10, "max_tokens": 24, "context_bytes": 2560,
+        "user_bytes": 32}
 
 
 def _preset_help(preset: dict) -> str:
@@ -47,12 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=None, help="default 8")
     p.add_argument("--turns", type=int, default=None, help="default 6")
     p.add_argument("--max-tokens", type=int, default=None, help="answer length per turn "
-                   "(default 32)")
+                   "(default 24)")
     p.add_argument("--context-bytes", type=int, default=None,
                    help="the first turn's paste of the module (default 2048 bytes)")
     p.add_argument("--user-bytes", type=int, default=None,
                    help="new user text per later turn (bytes of held-out source, cut at a line "
-                        "end; default 64)")
+                        "end; default 32)")
     p.add_argument("--model", default="kvstrata-tiny-py",
                    help="shipped pair name or a directory with target/ and drafter/")
     p.add_argument("--seed", type=int, default=0, help="which held-out modules and lines")

@@ -37,8 +37,8 @@ class DemoConfig:
     workdir: Path
     conversations: int = 8
     turns: int = 6
-    max_tokens: int = 32
-    snippet_bytes: int = 64
+    max_tokens: int = 24
+    snippet_bytes: int = 32
     context_bytes: int = 2048          # the first turn's paste (0: snippet_bytes)
     seed: int = 0
     device: str = "cpu"

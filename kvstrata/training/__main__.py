@@ -89,14 +89,15 @@ def main(argv=None) -> int:
         from ..assets.corpus import load_tokens
 
         train_tokens = load_tokens("train")[:300_000]
+        # no time caps: a busy CPU must not cut a smoke run short (the step counts bound it)
         tcfg = replace(tcfg, steps=min(tcfg.steps, 30), batch_size=4, seq_len=256, warmup=5,
-                       eval_windows=4, log_every=10)
+                       eval_windows=4, log_every=10, max_seconds=1e9)
         dcfg = replace(dcfg, steps=min(dcfg.steps, 30), batch_size=4, seq_len=160, anchors=4,
                        num_taps=2, warmup=5, selfgen_seqs=min(dcfg.selfgen_seqs, 8),
                        selfgen_prompt_len=16, selfgen_new_tokens=48, gen_batch=4,
                        eval_prompts=4, eval_prompt_len=32, eval_new_tokens=64,
                        eval_prompt_lens=(32, 96), eval_len_prompts=2, eval_len_new_tokens=40,
-                       log_every=10)
+                       log_every=10, max_seconds=1e9, selfgen_max_seconds=1e9)
     if a.steps is not None:
         tcfg, dcfg = replace(tcfg, steps=a.steps), replace(dcfg, steps=a.steps)
     taps = [int(x) for x in a.taps.split(",")] if a.taps else None

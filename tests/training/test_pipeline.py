@@ -72,7 +72,8 @@ def test_heldout_split_never_reaches_training(pair):
     # the marker is what evaluation reads (so the check can fail) ...
     assert all(_has_poison(p) for p in RECORD["heldout"])
     # ... and no corpus window or self-generation prompt of either stage holds any of it
-    assert len(RECORD["seen"]) > 50
+    # a window per target step, a corpus window per drafter step, 8 self-generation prompts
+    assert len(RECORD["seen"]) == 25 + 25 + 8
     assert not any(_has_poison(t) for t in RECORD["seen"])
 
 

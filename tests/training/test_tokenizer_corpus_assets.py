@@ -109,6 +109,11 @@ def test_assets_resolution(tmp_path, monkeypatch):
         (d / "model.safetensors").write_bytes(b"")
     assert assets.resolve_model("kvstrata-tiny-py/target") == tmp_path / "kvstrata-tiny-py/target"
     assert assets.resolve_model("kvstrata-tiny-py") == tmp_path / "kvstrata-tiny-py"
+    # a trained pair directory (OUT of train_tiny_pair.sh) resolves per part, like a name
+    pair = tmp_path / "kvstrata-tiny-py"
+    assert assets.resolve_model(pair, part="drafter") == pair / "drafter"
+    assert assets.resolve_model(pair / "target", part="target") == pair / "target"
+    assert assets.resolve_model(pair) == pair
     assert assets.load_tokenizer("kvstrata-tiny-py").mask_token_id == tok.MASK
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Other"}))
     with pytest.raises(ValueError, match="names tokenizer"):
