@@ -216,6 +216,10 @@ def _as_pages(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
     return rows.view(pool.dtype).view(rows.shape[0], *page)
 
 
+#: The process-wide codec registry: name -> factory. Each codec module registers its codec when
+#: it is imported, and ``kvstrata.codecs`` imports every built-in codec module, so by the time
+#: any code can reach ``get_codec`` (importing a submodule runs the package first) the built-ins
+#: are registered. Written only by ``register_codec`` (at import time, or by a plug-in).
 _REGISTRY: dict[str, Callable[[], Codec]] = {}
 
 
@@ -225,24 +229,16 @@ def register_codec(name: str, factory: Callable[[], Codec]) -> None:
 
 
 def available_codecs() -> list[str]:
-    _load_builtin()
     return sorted(_REGISTRY)
 
 
 def get_codec(name: str, **options: Any) -> Codec:
     """Instantiate the codec registered as ``name`` (options go to its constructor)."""
-    _load_builtin()
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; available: {sorted(_REGISTRY)}") from None
     return factory(**options)
-
-
-def _load_builtin() -> None:
-    # Built-in codecs register themselves on import; importing here keeps `get_codec` usable
-    # without the caller knowing which module defines which codec.
-    from . import builtin  # noqa: F401
 
 
 register_codec("identity", IdentityCodec)

@@ -14,7 +14,6 @@ Attention is a callable ``attn(layer, q, k, v) -> o`` so the paged backend
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Callable, Iterator
@@ -25,13 +24,14 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention, plan_attention
 from ..kernels.kv_write import write_kv
-from ..nn.layers import RMSNorm, SwiGLUMLP, apply_rotary, rope_cos_sin
-from ..nn.loader import load_safetensors_dir
+from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
+from ..nn.layers import RMSNorm, SwiGLUMLP, rope_cos_sin
+from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
 
 #: attn(layer, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D]
-DraftAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+DraftAttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class _Attn(nn.Module):
@@ -91,7 +91,7 @@ class DFlashDrafter(nn.Module):
                              f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
         model.to(device=device, dtype=dt).eval()
         model.requires_grad_(False)
-        model._fingerprint = _fingerprint(cfg, state)
+        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(repr(cfg)), state)
         return model
 
     @property
@@ -124,9 +124,9 @@ class DFlashDrafter(nn.Module):
         T = feat.shape[0]
         for layer in self.layers:
             a = layer.self_attn
-            k = a.k_norm(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim))
-            v = a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
-            yield apply_rotary(k, cos, sin), v
+            k = head_norm_rope(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim),
+                               a.k_norm.weight, a.k_norm.eps, cos, sin)
+            yield k, a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
                       kv_cache: Tensor, impl: str = "auto") -> None:
@@ -136,7 +136,7 @@ class DFlashDrafter(nn.Module):
             write_kv(kv_cache, i, k, v, slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
-    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttention) -> Tensor:
+    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
         """Run packed draft blocks.
 
         noise: ``[Tq, hidden]`` target embeddings of the blocks (times ``input_embedding_scale``);
@@ -145,18 +145,23 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         x = noise.to(self.dtype)
         T = x.shape[0]
+        eps, hq, hkv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        # As the target's forward: residual adds fused into the next norm (kernels.layer_ops).
+        h, x = add_rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rotary(a.q_norm(a.q_proj(h).view(T, c.num_attention_heads, c.head_dim)),
-                             cos, sin)
-            k = apply_rotary(a.k_norm(a.k_proj(h).view(T, c.num_key_value_heads, c.head_dim)),
-                             cos, sin)
-            v = a.v_proj(h).view(T, c.num_key_value_heads, c.head_dim)
-            x = x + a.o_proj(attn(i, q, k, v).reshape(T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            a, mlp = layer.self_attn, layer.mlp
+            q = head_norm_rope(a.q_proj(h).view(T, hq, hd), a.q_norm.weight, a.q_norm.eps, cos,
+                               sin)
+            k = head_norm_rope(a.k_proj(h).view(T, hkv, hd), a.k_norm.weight, a.k_norm.eps, cos,
+                               sin)
+            v = a.v_proj(h).view(T, hkv, hd)
+            h, x = add_rms_norm(a.o_proj(attn(i, q, k, v).reshape(T, -1)),
+                                layer.post_attention_layernorm.weight, eps, residual=x)
+            y = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_rms_norm(y, nxt.weight, eps, residual=x)
+        return h
 
     def postprocess_logits(self, logits: Tensor) -> Tensor:
         """Output multiplier and soft-capping of the reference, on the target head's logits."""
@@ -200,6 +205,20 @@ class PagedDraftAttention:
                                               q_lens, page_size=page_size, causal=True,
                                               num_kv_heads=H)
 
+    @classmethod
+    def from_plans(cls, drafter: DFlashDrafter, kv_cache: Tensor, meta_block, meta_causal,
+                   block_slots: Tensor | None, impl: str = "auto") -> "PagedDraftAttention":
+        """Over plans built elsewhere (the runner's persistent, CUDA-graph-safe plans):
+        ``meta_block`` in block mode over the context, ``meta_causal`` (or ``None`` without
+        causal layers) over context + block."""
+        if any(drafter.cfg.layer_causal) and (meta_causal is None or block_slots is None):
+            raise ValueError("causal draft layers need a causal plan and the block's slots")
+        self = cls.__new__(cls)
+        self.d, self.kv, self.impl = drafter, kv_cache, impl
+        self.block_slots = block_slots
+        self.meta_block, self.meta_causal = meta_block, meta_causal
+        return self
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cfg = self.d.cfg
         w = cfg.layer_window[layer]
@@ -209,20 +228,3 @@ class PagedDraftAttention:
                                    sliding_window=w, impl=self.impl)
         return paged_attention(q, self.kv, layer, self.meta_block, sm_scale=self.d.sm_scale,
                                sliding_window=w, block_kv=(k, v), impl=self.impl)
-
-
-def _fingerprint(cfg: DFlashConfig, state: dict[str, Tensor]) -> str:
-    """Digest of the config and every weight's name, shape, dtype and bytes.
-
-    The fingerprint goes into the prefix-cache namespace, so two drafters that differ anywhere must
-    never share draft pages (a fine-tune changes weights everywhere by small amounts); hashing every
-    byte costs about a second per GB, once at load time.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(repr(cfg)).encode())
-    for name in sorted(state):
-        t = state[name].contiguous().view(-1)
-        h.update(f"{name}:{tuple(state[name].shape)}:{t.dtype}".encode())
-        if t.numel():
-            h.update(t.view(torch.uint8).numpy().data)
-    return "dflash-" + h.hexdigest()

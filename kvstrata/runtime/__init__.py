@@ -2,7 +2,9 @@
 
 from .config import CacheConfig
 from .engine import LLM
-from .outputs import RequestOutput
+from .outputs import RequestDelta, RequestOutput
+from .runner import RunnerConfig
 from .sampling import SamplingParams
 
-__all__ = ["CacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CacheConfig", "LLM", "RequestDelta", "RequestOutput", "RunnerConfig",
+           "SamplingParams"]
