@@ -118,3 +118,17 @@ def test_assets_resolution(tmp_path, monkeypatch):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Other"}))
     with pytest.raises(ValueError, match="names tokenizer"):
         assets.load_tokenizer(tmp_path)
+
+
+def test_selfgen_prompt_lengths_are_stratified():
+    from kvstrata.training.drafter import DrafterTrainConfig, selfgen_prompt_lengths
+
+    cfg = DrafterTrainConfig()                       # 8 batches of 1024 over 64 .. 3840 tokens
+    lens = selfgen_prompt_lengths(cfg)
+    assert lens == selfgen_prompt_lengths(cfg) and len(lens) == 8
+    lo, hi = cfg.selfgen_prompt_len, cfg.seq_len - cfg.selfgen_new_tokens
+    width = (hi - lo) / 8
+    assert sorted(int((n - lo) // width) for n in lens) == list(range(8))   # one per slice
+    assert lens != sorted(lens)                      # shuffled: a time cap drops random strata
+    with pytest.raises(ValueError, match="must fit in seq_len"):
+        DrafterTrainConfig(seq_len=256, selfgen_prompt_len=64, selfgen_new_tokens=256)
