@@ -119,6 +119,7 @@ def main(argv=None) -> int:
         summary["drafter"] = {k: s[k] for k in ("params", "steps", "bound_by", "train_seconds",
                                                  "total_seconds", "selfgen_seqs", "heldout_al")}
         summary["drafter"]["accept_rate"] = s["heldout_report"]["accept_rate"]
+        summary["drafter"]["heldout_al_by_prompt_len"] = s["heldout_al_by_prompt_len"]
         log(f"[time] drafter stage done at {time.perf_counter() - t0:.0f}s")
     sizes = {p.parent.name: p.stat().st_size for p in out.glob("*/model.safetensors")}
     summary["weights_bytes"] = sizes
