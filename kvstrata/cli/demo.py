@@ -4,10 +4,9 @@ Several agent conversations over held-out Python stdlib modules grow turn by tur
 pastes a long piece of the module (``--context-bytes``), every later turn resends the conversation
 so far plus the next few lines (``--user-bytes``) and gets a short answer (``--max-tokens``), so
 the shared context grows past 2k tokens and the reused prefix dominates every turn after the
-first. The device pool holds only half of the
-conversations at once, so cached prefixes move to a small host tier and from there to an LMDB disk
-tier (in a temporary directory; ``--keep`` keeps it), NVFP4-encoded for the target's pages and
-losslessly for the drafter's. The same prompts run with the ``paged`` drafter backend (the draft
+first. The device pool holds only half of the conversations at once, so cached prefixes move to a
+small host tier and from there to an LMDB disk tier (in a temporary directory; ``--keep`` keeps
+it), NVFP4-encoded for the target's pages and losslessly for the drafter's. The same prompts run with the ``paged`` drafter backend (the draft
 context is cached and reused with the prefix) and with the ``arena`` baseline (the draft context
 starts empty after a prefix hit); the table compares their acceptance length (AL) per turn.
 
@@ -43,16 +42,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (CUDA when available, else CPU), cpu, cuda, cuda:1, ...")
     p.add_argument("--long", action="store_true",
-                   help=f"the long preset: {_preset_help(LONG)}")
-    p.add_argument("--conversations", type=int, default=None, help="default 8")
-    p.add_argument("--turns", type=int, default=None, help="default 6")
-    p.add_argument("--max-tokens", type=int, default=None, help="answer length per turn "
-                   "(default 24)")
-    p.add_argument("--context-bytes", type=int, default=None,
-                   help="the first turn's paste of the module (default 2048 bytes)")
-    p.add_argument("--user-bytes", type=int, default=None,
-                   help="new user text per later turn (bytes of held-out source, cut at a line "
-                        "end; default 32)")
+                   help=f"the long preset: {_preset_help(LONG)} (explicit options override it)")
+    # preset options: SUPPRESS keeps an option that was not given out of ``args`` (and out of
+    # the "(default: ...)" help suffix), so --long can fill it
+    for opt, what in (("conversations", "conversations"), ("turns", "turns per conversation"),
+                      ("max_tokens", "answer length per turn"),
+                      ("context_bytes", "the first turn's paste of the module, bytes"),
+                      ("user_bytes", "new user text per later turn, bytes of held-out source "
+                                     "cut at a line end")):
+        p.add_argument(f"--{opt.replace('_', '-')}", type=int, default=argparse.SUPPRESS,
+                       help=f"{what} (default {DEFAULT[opt]}; --long: {LONG[opt]})")
     p.add_argument("--model", default="kvstrata-tiny-py",
                    help="shipped pair name or a directory with target/ and drafter/")
     p.add_argument("--seed", type=int, default=0, help="which held-out modules and lines")
@@ -105,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             preset = LONG if args.long else DEFAULT
-            opt = {k: getattr(args, k) if getattr(args, k) is not None else v
-                   for k, v in preset.items()}
+            opt = {k: getattr(args, k, v) for k, v in preset.items()}
             cfg = DemoConfig(workdir=workdir, conversations=opt["conversations"],
                              turns=opt["turns"], max_tokens=opt["max_tokens"],
                              snippet_bytes=opt["user_bytes"], context_bytes=opt["context_bytes"],
