@@ -28,7 +28,8 @@ PROGRESS_EVERY_S = 5.0          # without a terminal: one progress line on stder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="directory of the disk tier")
+    p.add_argument("path", metavar="PATH",
+                   help="directory of the disk tier, or a redis:// URL (kvstrata.cli.inspect_remote)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--list", nargs="?", type=int, const=0, default=None, metavar="N",
                       help="one row per page, least recently used first (at most N rows; "
@@ -340,6 +341,9 @@ def _cmd_repair(args, console) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.path.startswith(("redis://", "rediss://")):
+        from kvstrata.cli.inspect_remote import run as run_remote
+        return run_remote(args)
     from rich.console import Console
 
     console = Console()

@@ -33,9 +33,10 @@ class CacheConfig:
         target_codec, draft_codec: cold-page codecs of the two groups.
         drafter_backend: ``"paged"`` (draft context in the pool; the default) or ``"arena"``
             (private dense per-request buffer; a baseline only).
-        tiers: ``None`` (KV on the device only), a dict of ``TierManager`` arguments
-            (``host_bytes``, ``disk`` = a directory path or a ``DiskTier``, ``write_through``,
-            ...), or a callable ``(pool, namespace) -> TierManager``.
+        tiers: a dict for ``TierManager.from_config`` (``host_bytes``, ``disk`` = a directory
+            or a DiskTier, ``remote`` = a ``redis://`` URL or a RemoteTier, ``write_through``,
+            ...; checked when the engine is built), or a callable ``(pool, namespace) ->
+            TierManager``; ``None`` keeps KV on the device only.
     """
 
     kv_cache_bytes: int | None = None

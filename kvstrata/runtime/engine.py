@@ -54,24 +54,13 @@ def _load(obj, loader, device, dtype, part: str):
 
 
 def _make_tiers(spec, pool: PagePool, namespace: Namespace):
-    """``CacheConfig.tiers``: None, a dict of ``TierManager`` arguments (``disk`` may be a path
-    or a ``DiskTier``), or a callable ``(pool, namespace) -> TierManager``."""
+    """``CacheConfig.tiers``: None, a dict (``TierManager.from_config``), or
+    ``(pool, namespace) -> tiers``."""
     if spec is None:
         return None
     if isinstance(spec, dict):
-        from ..tiers.disk import DiskTier
         from ..tiers.manager import TierManager
-        kw = dict(spec)
-        disk = kw.get("disk")
-        if isinstance(disk, (str, os.PathLike)):
-            kw["disk"] = DiskTier(disk)
-        elif disk is not None and not isinstance(disk, DiskTier):
-            raise ValueError(f"CacheConfig.tiers['disk'] must be a directory path or a DiskTier, "
-                             f"got {type(disk).__name__}")
-        try:
-            return TierManager(pool, namespace, **kw)
-        except TypeError as e:
-            raise ValueError(f"CacheConfig.tiers: {e}") from None
+        return TierManager.from_config(pool, namespace, spec)
     if callable(spec):
         tiers = spec(pool, namespace)
     else:
@@ -513,8 +502,7 @@ class LLM:
                 r.num_computed = seq.num_cached_tokens
                 if r.state != PREEMPTED:
                     r.num_cached_tokens = seq.num_cached_tokens
-                    r.cached_from = {k: v * self.pool.page_size
-                                     for k, v in seq.cached_from.items()}
+                    r.cached_from = self._cached_by_tier(seq.cached_from)
                     r.tokens = list(r.prompt)
                     r.t_admit = time.perf_counter()
                 r.state = DECODE if pending and r.num_computed == upto else PREFILL
@@ -522,6 +510,22 @@ class LLM:
             if self.arena is not None:
                 self.arena.open(r.rid_key, r.num_computed)
             sched.running.append(r)
+
+    def _cached_by_tier(self, pages: dict[str, int]) -> dict[str, int]:
+        """Prefix tokens reused per tier: the manager counts device pages and "lower" pages; the
+        tier manager's ``last_load`` says which lower tier served them (host first, then in
+        the order the tiers were asked)."""
+        P = self.pool.page_size
+        out = {"device": pages.get("device", 0) * P} if pages.get("device") else {}
+        left = pages.get("lower", 0)
+        for name, n in (getattr(self.tiers, "last_load", None) or {}).items():
+            take = min(n, left)
+            if take:
+                out[name] = take * P
+                left -= take
+        if left:
+            out["lower"] = left * P
+        return out
 
     def _reserve(self, sched: Scheduler, plan: StepPlan) -> StepPlan:
         """Pages for this step's positions; under pool pressure the most recently admitted
