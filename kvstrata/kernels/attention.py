@@ -28,7 +28,10 @@ import torch
 from torch import Tensor
 
 from ..dtypes import SUPPORTED_DTYPES
-from .attention_plan import AttentionMetadata
+# The plan's public names stay importable from here too (the plan lives in attention_plan.py,
+# which both this module and the Triton kernels import: no loop).
+from .attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata, SplitPolicy,
+                             choose_num_splits, plan_attention)
 
 _IMPLS = ("auto", "triton", "torch")
 
@@ -158,4 +161,5 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMeta
                                   sliding_window=sliding_window, block_kv=block_kv)
 
 
-__all__ = ["check_attention_args", "paged_attention", "paged_attention_ref"]
+__all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "SplitPolicy", "check_attention_args",
+           "choose_num_splits", "paged_attention", "paged_attention_ref", "plan_attention"]
