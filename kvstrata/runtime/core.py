@@ -25,7 +25,7 @@ import torch
 from ..tokenizer import Detokenizer
 from ..pagepool.pool import OutOfPagesError
 from .outputs import RequestDelta, RequestOutput
-from .runner import StepItem
+from .step import StepItem
 from .sampling import SamplingParams
 from .scheduler import (DECODE, DONE, PREEMPTED, PREFILL, PREFILLED, Request, Scheduler,
                         StepPlan)

@@ -16,7 +16,7 @@ Two paths:
   carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
   ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
 - **general** (prefill chunks, mixed steps, shortened last blocks, sampling, the arena
-  baseline): packed eager forward, as before the runner existed.
+  baseline): packed eager forward (:class:`~.general.GeneralPath`, in its own module).
 
 Graph replay runs the same kernels with the same launch parameters on the same buffers as the
 eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
@@ -36,9 +36,9 @@ from torch import Tensor
 
 from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
-from ..kernels.attention_plan import AttentionMetadata, choose_num_splits, plan_attention
-from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
-                       sampling_probs)
+from ..kernels.attention_plan import AttentionMetadata, choose_num_splits
+from .general import GeneralPath
+from .step import StepItem, StepTiming
 
 #: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
 #: (overrides :attr:`RunnerConfig.cuda_graphs`).
@@ -104,46 +104,11 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
 
 
 @dataclass(slots=True)
-class StepItem:
-    """One scheduled sequence of a step, as the engine hands it to the runner.
-
-    Attributes:
-        seq_id: the manager's sequence id (its pages are reserved for ``start + n`` tokens).
-        start: tokens whose K/V is committed before this step (= the first position computed).
-        n: positions computed this step (decode: the verify block length; prefill: the chunk).
-        tokens: decode: ``[pending token]`` (verified, K/V not yet written); prefill: the
-            chunk's ``n`` prompt tokens.
-        decode: a generating sequence (verify block) or a prompt chunk.
-        sample: prefill only: the chunk ends the prompt, so its last row's token is sampled.
-        params, generator: the request's sampling settings and RNG (``None``: the runner's).
-        banned, banned_rows: token ids masked out of the first ``banned_rows`` rows whose
-            logits this item uses (``min_tokens``: stop ids cannot end a request early).
-    """
-
-    seq_id: object
-    start: int
-    n: int
-    tokens: list[int]
-    decode: bool
-    params: SamplingParams
-    sample: bool = False
-    generator: torch.Generator | None = None
-    banned: frozenset = frozenset()
-    banned_rows: int = 0
-
-
-@dataclass(slots=True)
 class _Plans:
     verify: AttentionMetadata
     block: AttentionMetadata | None
     causal: AttentionMetadata | None
     splits: tuple[int, int, int]
-
-
-@dataclass
-class StepTiming:
-    draft_s: float = 0.0
-    target_s: float = 0.0
 
 
 class ModelRunner:
@@ -206,6 +171,9 @@ class ModelRunner:
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
         self.timing = StepTiming()
+        self.general = GeneralPath(target, drafter, pool, mgr, arena=arena, generator=generator,
+                                   attn_impl=attn_impl,
+                                   timing=self.timing if self._events is not None else None)
         self.stats = {"decode_steps": 0, "graph_steps": 0, "general_steps": 0}
 
     @staticmethod
@@ -449,158 +417,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
 
-    # -- general path ---------------------------------------------------------------------------
     def _general(self, items: list[StepItem]) -> list[list[int]]:
-        """Prefill chunks, mixed steps, short blocks, sampling, the arena: packed and eager."""
-        t0 = time.perf_counter() if self._events is not None else 0.0
-        drafts = self._draft_general(items) if self.drafter is not None else {}
-        if self._events is not None:
-            torch.cuda.synchronize(self.device)
-            t1 = time.perf_counter()
-            self.timing.draft_s += t1 - t0
-        inputs = [it.tokens + drafts.get(i, ([], None))[0] if it.decode else it.tokens
-                  for i, it in enumerate(items)]
-        hidden, taps, pos_t, slots_t = self._target_forward(items, inputs)
-        out, rows = self._accept(items, inputs, drafts, hidden)
-        self._write_context(items, rows, taps, pos_t, slots_t)
-        if self._events is not None:
-            torch.cuda.synchronize(self.device)
-            self.timing.target_s += time.perf_counter() - t1
-        return out
-
-    def _draft_general(self, items: list[StepItem]) -> dict:
-        """Draft tokens (and their sampling distributions) for decode blocks longer than one."""
-        sel = [i for i, it in enumerate(items) if it.decode and it.n > 1]
-        if not sel:
-            return {}
-        d, cfg, dev = self.drafter, self.drafter.cfg, self.device
-        ids, pos, rows = [], [], []
-        for i in sel:
-            it = items[i]
-            rows += range(len(ids) + 1, len(ids) + it.n)
-            ids += [it.tokens[-1]] + [cfg.mask_token_id] * (it.n - 1)
-            pos += range(it.start, it.start + it.n)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        noise = self.target.embed(ids_t)
-        if cfg.input_embedding_scale != 1.0:
-            noise = noise * cfg.input_embedding_scale
-        keys = [items[i].seq_id for i in sel]
-        starts = [items[i].start for i in sel]
-        qlens = [items[i].n for i in sel]
-        if self.paged:
-            bt, _ = self.mgr.block_tables(keys)
-            slots = [s for i in sel for s in self.mgr.slots(items[i].seq_id, items[i].start,
-                                                            items[i].start + items[i].n)]
-            attn = PagedDraftAttention(d, self.pool.kv["draft"], bt, starts, qlens,
-                                       torch.tensor(slots, dtype=torch.int64, device=dev),
-                                       self.P, impl=self.attn_impl)
-        else:
-            attn = self.arena.attention(keys, starts, qlens)
-        hidden = d(noise, pos_t, attn)
-        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(self.target.dtype)
-        logits = d.postprocess_logits(self.target.compute_logits(h))
-        greedy = logits.argmax(-1).tolist()
-        out, at = {}, 0
-        for i in sel:
-            it, k = items[i], items[i].n - 1
-            sp = it.params
-            if sp.greedy:
-                out[i] = (greedy[at:at + k], None)
-            else:
-                probs = sampling_probs(logits[at:at + k], sp.temperature, sp.top_p, sp.top_k)
-                toks = sample_from(probs, it.generator or self.generator)
-                out[i] = (toks.tolist(), probs)
-            at += k
-        return out
-
-    def _target_forward(self, items, inputs) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Hidden states, concatenated taps, positions and slots of the packed step's rows."""
-        dev = self.device
-        ids, pos, slots, qlens, slens = [], [], [], [], []
-        for it, toks in zip(items, inputs):
-            s, n = it.start, it.n
-            ids += toks
-            pos += range(s, s + n)
-            slots += self.mgr.slots(it.seq_id, s, s + n)
-            qlens.append(n)
-            slens.append(s + n)
-        bt, sl = self.mgr.block_tables([it.seq_id for it in items], seq_lens=slens)
-        meta = plan_attention(bt, sl, qlens, page_size=self.P, causal=True,
-                              seq_lens_host=slens,
-                              num_kv_heads=self.target.config.num_key_value_heads)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        hidden, cap = self.target(
-            torch.tensor(ids, dtype=torch.int64, device=dev), pos_t, meta, slots_t,
-            self.pool.kv["target"], capture_layers=self.taps, attn_impl=self.attn_impl)
-        return hidden, (torch.cat(cap, dim=-1) if cap else None), pos_t, slots_t
-
-    def _accept(self, items, inputs, drafts, hidden: Tensor) -> tuple[list[list[int]], list]:
-        """Per item the produced tokens, and ``(first row, rows to commit)`` per item."""
-        dev = self.device
-        need, at, mask = [], 0, []  # rows whose logits we need: verify rows, a prompt's last
-        for it in items:
-            if it.banned_rows:
-                mask.append((len(need), it.banned_rows, sorted(it.banned)))
-            if it.decode:
-                need += range(at, at + it.n)
-            elif it.sample:
-                need.append(at + it.n - 1)
-            at += it.n
-        logits = self.target.compute_logits(
-            hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
-        for row, k, ids in mask:
-            logits[row:row + k, torch.tensor(ids, dtype=torch.int64, device=dev)] = float("-inf")
-        greedy = logits.argmax(-1).tolist() if need else []
-        out, rows, li, at = [], [], 0, 0
-        for i, it in enumerate(items):
-            sp, gen = it.params, it.generator or self.generator
-            if it.decode:
-                n = it.n
-                dr, dprobs = drafts.get(i, ([], None))
-                if sp.greedy:
-                    acc, bonus = greedy_accept(dr, greedy[li:li + n])
-                else:
-                    tp = sampling_probs(logits[li:li + n], sp.temperature, sp.top_p, sp.top_k)
-                    d_t = torch.tensor(dr, dtype=torch.int64, device=dev)
-                    acc, bonus = rejection_accept(d_t, tp, tp[:0] if dprobs is None else dprobs,
-                                                  gen)
-                li += n
-                out.append(dr[:acc] + [bonus])
-                rows.append((at, acc + 1))
-            else:
-                first = []
-                if it.sample:
-                    if sp.greedy:
-                        first = [greedy[li]]
-                    else:
-                        probs = sampling_probs(logits[li], sp.temperature, sp.top_p, sp.top_k)
-                        first = [int(sample_from(probs, gen))]
-                    li += 1
-                out.append(first)
-                rows.append((at, it.n))
-            at += it.n
-        return out, rows
-
-    def _write_context(self, items, rows, taps: Tensor | None, pos_t: Tensor,
-                       slots_t: Tensor) -> None:
-        """Draft context K/V of the rows to commit (both groups are written before commit)."""
-        if self.drafter is None:
-            return
-        dev = self.device
-        idx = []
-        for it, (at, m) in zip(items, rows):
-            if self.paged:
-                idx += range(at, at + m)
-            elif m:
-                self.arena.append(it.seq_id, taps[at:at + m],
-                                  torch.arange(it.start, it.start + m, device=dev))
-        if self.paged and idx:
-            i = torch.tensor(idx, dtype=torch.int64, device=dev)
-            self.drafter.write_context(taps[i], pos_t[i], slots_t[i], self.pool.kv["draft"],
-                                       impl=self.attn_impl)
-
+        """The general path (:class:`~.general.GeneralPath`)."""
+        return self.general.run(items)
 
 __all__ = ["GRAPHS_ENV", "ModelRunner", "RunnerConfig", "StepItem", "graph_batch_size",
            "default_ladder", "graphs_enabled"]
