@@ -99,7 +99,7 @@ def e2e(args, dtype) -> list[str]:
                                 draft_codec="identity")
             llm = LLM(target, d, cache, device=args.device)
             llm.generate(prompts[:1], SamplingParams(max_tokens=4))     # warm-up
-            s0 = llm.counters["steps"]
+            s0 = llm.stats()["engine"]["steps"]
             t0 = sync(args.device)
             outs = llm.generate(prompts, sp, cache_salt=f"{mode}-{batch}")
             dt = sync(args.device) - t0
@@ -107,7 +107,7 @@ def e2e(args, dtype) -> list[str]:
             als = [a for o in outs for a in o.acceptance_lengths]
             res[mode] = [o.token_ids for o in outs]
             rows.append(f"| {mode} | {batch} | {args.prompt_len} | {n} | {n / dt:.1f} | "
-                        f"{sum(als) / len(als):.2f} | {llm.counters['steps'] - s0} |")
+                        f"{sum(als) / len(als):.2f} | {llm.stats()['engine']['steps'] - s0} |")
         if res["plain"] != res["speculative"]:
             raise SystemExit("speculative output differs from plain greedy output")
     return rows

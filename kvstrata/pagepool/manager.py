@@ -99,7 +99,11 @@ class KVCacheManager:
         self.lower = lower
         self.seqs: dict[object, SequenceState] = {}
         self._freed: OrderedDict[object, None] = OrderedDict()   # recent ids, for errors only
-        self.stats = {"lookups": 0, "hit_tokens": 0, "query_tokens": 0}
+        self._stats = {"lookups": 0, "hit_tokens": 0, "query_tokens": 0}
+
+    def stats(self) -> dict[str, int]:
+        """Prefix lookups so far: ``lookups``, ``hit_tokens`` (reused), ``query_tokens``."""
+        return dict(self._stats)
 
     def _seq(self, seq_id: object, op: str) -> SequenceState:
         seq = self.seqs.get(seq_id)
@@ -189,9 +193,9 @@ class KVCacheManager:
         seq = SequenceState(seq_id, ns, page_ids, token_ids[:n_cached], hashes[:len(page_ids)],
                             n_cached, cached_from)
         self.seqs[seq_id] = seq
-        self.stats["lookups"] += 1
-        self.stats["hit_tokens"] += n_cached
-        self.stats["query_tokens"] += len(token_ids)
+        self._stats["lookups"] += 1
+        self._stats["hit_tokens"] += n_cached
+        self._stats["query_tokens"] += len(token_ids)
         return seq
 
     def _promote(self, ns: Namespace, token_ids: list[int], hashes: list[bytes], start: int,

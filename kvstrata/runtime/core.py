@@ -53,7 +53,7 @@ class EngineCore:
         self._requests: dict[object, Request] = {}
         self._undelivered: list[RequestDelta] = []
         self._closed = False
-        self.counters = {"steps": 0, "draft_s": 0.0, "target_s": 0.0, "step_s": 0.0,
+        self._counters = {"steps": 0, "draft_s": 0.0, "target_s": 0.0, "step_s": 0.0,
                          "generated_tokens": 0, "prefill_tokens": 0, "verify_tokens": 0,
                          "preemptions": 0, "failed_requests": 0, "aborted_requests": 0}
 
@@ -272,7 +272,7 @@ class EngineCore:
             r.resume_to = r.num_computed
         r.num_computed, r.state, r.rid_key = 0, PREEMPTED, None
         r.num_preemptions += 1
-        self.counters["preemptions"] += 1
+        self._counters["preemptions"] += 1
         sched.running.remove(r)
         sched.waiting.appendleft(r)
 
@@ -285,7 +285,7 @@ class EngineCore:
         self._release(r)
         if r.state != DONE:
             r.finish(reason, error)
-            self.counters["aborted_requests" if reason == "abort" else "failed_requests"] += 1
+            self._counters["aborted_requests" if reason == "abort" else "failed_requests"] += 1
 
     def _release(self, r: Request) -> None:
         if r.rid_key is not None and r.rid_key in self.mgr.seqs:
@@ -382,7 +382,7 @@ class EngineCore:
         items += [self._item(r, n, False) for r, n in plan.prefill]
         produced = self.runner.execute(items)
         self._accept(plan.decode + plan.prefill, items, produced)
-        c = self.counters
+        c = self._counters
         c["steps"] += 1
         c["draft_s"] = self.runner.timing.draft_s      # CUDA events, only with timing on
         c["target_s"] = self.runner.timing.target_s
@@ -411,7 +411,7 @@ class EngineCore:
         """Host side of acceptance: append (stops, ``min_tokens``, lengths), then commit the
         tokens whose K/V (both groups) the runner wrote."""
         now = time.perf_counter()
-        c = self.counters
+        c = self._counters
         for (r, n), it, new in zip(scheduled, items, produced):
             if it.decode:
                 new = new[:max(1, r.max_length - r.num_computed - 1)]

@@ -303,13 +303,13 @@ class LLM(EngineCore):
                      "in_use": p.num_in_use, "cached": p.num_cached,
                      "evictions": p.num_evictions, "bytes": p.nbytes,
                      "groups": [g.name for g in p.groups]},
-            "prefix": dict(self.mgr.stats),
-            "engine": dict(self.counters, running=len(self.sched.running),
+            "prefix": self.mgr.stats(),
+            "engine": dict(self._counters, running=len(self.sched.running),
                            waiting=len(self.sched.waiting)),
             "runner": {"cuda_graphs": bool(self.runner.graphs),
                        "batch_sizes": list(self.runner.ladder) if self.runner.graphs else [],
                        "graph_pool_bytes": self.runner.graph_pool_bytes,
-                       **self.runner.stats},
+                       **self.runner.stats()},
         }
         if self.arena is not None:
             out["arena_bytes"] = self.arena.nbytes

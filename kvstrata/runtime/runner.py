@@ -56,7 +56,7 @@ class RunnerConfig:
             ``KVSTRATA_CUDA_GRAPHS`` environment variable overrides it).
         batch_sizes: the ladder of captured batch sizes (default :func:`default_ladder`); a
             batch runs in the graph of the smallest size that holds it.
-        timing: time the draft and verify stages with CUDA events (``LLM.counters``
+        timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
     """
 
@@ -174,7 +174,12 @@ class ModelRunner:
         self.general = GeneralPath(target, drafter, pool, mgr, arena=arena, generator=generator,
                                    attn_impl=attn_impl,
                                    timing=self.timing if self._events is not None else None)
-        self.stats = {"decode_steps": 0, "graph_steps": 0, "general_steps": 0}
+        self._stats = {"decode_steps": 0, "graph_steps": 0, "general_steps": 0}
+
+    def stats(self) -> dict[str, int]:
+        """Steps so far: ``decode_steps`` (of which ``graph_steps`` replayed graphs) and
+        ``general_steps``."""
+        return dict(self._stats)
 
     @staticmethod
     def workspace_bytes(target, drafter, max_batch: int, block_size: int,
@@ -242,7 +247,7 @@ class ModelRunner:
         """
         if self.decode_ok(items):
             return self.decode(items)
-        self.stats["general_steps"] += 1
+        self._stats["general_steps"] += 1
         return self._general(items)
 
     # -- decode path ------------------------------------------------------------------------------
@@ -270,8 +275,8 @@ class ModelRunner:
         self.graphs[("verify", b)].replay() if use else self._verify_fn(b)
         if ev is not None:
             ev[2].record()
-        self.stats["decode_steps"] += 1
-        self.stats["graph_steps"] += int(use)
+        self._stats["decode_steps"] += 1
+        self._stats["graph_steps"] += int(use)
         res = self._fetch(b)
         B = self.B
         return [res[i, :res[i, B]].tolist() for i in range(n)]

@@ -135,9 +135,9 @@ class TierManager:
         self._wt_queue: list[PageInfo] = []
         self._wt_since = 0.0
         self.flush_after_s = flush_after_s
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         for name in ("disk", *(t.name for t in self.lower)):
-            self.counters.update(dict.fromkeys((c.format(name) for c in _TIER_COUNTERS), 0))
+            self._counters.update(dict.fromkeys((c.format(name) for c in _TIER_COUNTERS), 0))
         #: pages per tier of the last :meth:`load_prefix` (``{"host": n, "disk": n, ...}``)
         self.last_load: dict[str, int] = {}
         self._closed = False
@@ -269,14 +269,14 @@ class TierManager:
                 slots, victims = slots + more, victims + later
             self._spill(victims)
             if len(slots) < len(chunk):       # a host smaller than a batch: count, never lose
-                self.counters["dropped_pages"] += len(chunk) - len(slots)
+                self._counters["dropped_pages"] += len(chunk) - len(slots)
                 chunk = chunk[:len(slots)]
                 if not chunk:
                     continue
             entries, ev, refused = self.mover.demote(self.ns_digest, chunk, slots)
             self.host.add(entries, ev, refused)
-            self.counters["d2h_pages"] += len(entries)
-            self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
+            self._counters["d2h_pages"] += len(entries)
+            self._counters["d2h_bytes"] += sum(e.nbytes for e in entries)
 
     def drain_host(self) -> int:
         """Write every host page the lower tiers lack down and empty the host tier (shutdown,
@@ -299,22 +299,22 @@ class TierManager:
         self._flush_write_through()
         if pages is None:
             pages = self.view.hashed_pages() if self.view.hashed_pages is not None else []
-        before = sum(self.counters[f"host_to_{t.name}_pages"] for t in self.lower)
+        before = sum(self._counters[f"host_to_{t.name}_pages"] for t in self.lower)
         self._demote(list(pages))
         self.host.settle()
         entries = [self.host.entry(h) for h in self.host.lru()]
         self._write_down([e for e in entries if e is not None and not e.on_disk])
         self.flush()
-        return sum(self.counters[f"host_to_{t.name}_pages"] for t in self.lower) - before
+        return sum(self._counters[f"host_to_{t.name}_pages"] for t in self.lower) - before
 
     def _spill(self, victims: list[HostEntry]) -> None:
         """Host evictions: write the ones the lower tiers lack (write-back); then their slots
         may be reused."""
-        self.counters["host_evictions"] += len(victims)
+        self._counters["host_evictions"] += len(victims)
         if not victims:
             return
         if not self.lower:
-            self.counters["dropped_pages"] += len(victims)
+            self._counters["dropped_pages"] += len(victims)
             return
         self._write_down(victims)
 
@@ -340,14 +340,14 @@ class TierManager:
             stored = [j for j, o in zip(js, ok) if o]
             for j in stored:
                 held[j] += 1
-            self.counters[f"host_to_{t.name}_pages"] += len(stored)
-            self.counters[f"host_to_{t.name}_bytes"] += sum(
+            self._counters[f"host_to_{t.name}_pages"] += len(stored)
+            self._counters[f"host_to_{t.name}_bytes"] += sum(
                 sum(len(p) for p in records[j]) for j in stored)
-            self.counters[f"{t.name}_put_failures"] += len(js) - len(stored)
+            self._counters[f"{t.name}_put_failures"] += len(js) - len(stored)
         for e, n in zip(entries, held):
             e.on_disk = n == len(self.lower)
             if not n:
-                self.counters["dropped_pages"] += 1
+                self._counters["dropped_pages"] += 1
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
@@ -362,11 +362,11 @@ class TierManager:
         self._flush_write_through()
         self.host.settle()
         n = leading(self.host.exists(hashes))
-        self.counters["host_hits"] += n
+        self._counters["host_hits"] += n
         rest = list(hashes[n:])
         if not rest:
             return n
-        self.counters["host_misses"] += 1
+        self._counters["host_misses"] += 1
         if not self.lower:
             return n
         # Past the host's run, later pages may sit on any tier: check each, page by page.
@@ -377,9 +377,9 @@ class TierManager:
                 where = "host"
             if where is None:
                 for t in self.lower:
-                    self.counters[f"{t.name}_misses"] += 1
+                    self._counters[f"{t.name}_misses"] += 1
                 break
-            self.counters[f"{where}_hits"] += 1
+            self._counters[f"{where}_hits"] += 1
             n += 1
         return n
 
@@ -398,8 +398,8 @@ class TierManager:
             entries = self._stage(chunk)
             if entries:
                 self.mover.promote(entries, page_ids[k:k + len(entries)])
-                self.counters["h2d_pages"] += len(entries)
-                self.counters["h2d_bytes"] += sum(e.nbytes for e in entries)
+                self._counters["h2d_pages"] += len(entries)
+                self._counters["h2d_bytes"] += sum(e.nbytes for e in entries)
             done += len(entries)
             if len(entries) < len(chunk):
                 break
@@ -458,7 +458,7 @@ class TierManager:
                 e = self.host.fill(slot, info, self.ns_digest, rec)
             except CorruptPageError as err:
                 key = "mismatches" if isinstance(err, RecordMismatch) else "checksum_failures"
-                self.counters[key] += 1
+                self._counters[key] += 1
                 log.warning("%s tier: page %s is unusable (%s); deleted", t.name,
                             info.hash.hex(), err)
                 bad.setdefault(t.name, []).append(info.hash)
@@ -466,8 +466,8 @@ class TierManager:
             e.on_disk = len(self.lower) == 1
             out.append(e)
             served.setdefault(t.name, []).append(info.hash)
-            self.counters[f"{t.name}_to_host_pages"] += 1
-            self.counters[f"{t.name}_to_host_bytes"] += sum(len(p) for p in rec.payloads)
+            self._counters[f"{t.name}_to_host_pages"] += 1
+            self._counters[f"{t.name}_to_host_bytes"] += sum(len(p) for p in rec.payloads)
         self.host.give_back(slots[len(out):])
         self.host.add(out)
         for t in self.lower:
@@ -488,7 +488,7 @@ class TierManager:
         record payload bytes (encoded). ``encode_s`` / ``decode_s`` include that boundary's CPU
         codec time. ``remote_*`` keys (``remote_errors``, ...) are the remote tier's own
         counters."""
-        out = dict(self.counters)
+        out = dict(self._counters)
         hs = self.host.counters()
         out["unencodable_pages"] = hs["rejected_pages"]
         out["d2h_pages"] -= hs["rejected_pages"]

@@ -118,7 +118,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
             llm.mgr.commit(r.rid_key, commit)
             r.num_computed += len(commit)
             r.tokens.extend(new)
-    assert llm.runner.stats["decode_steps"] == 5
+    assert llm.runner.stats()["decode_steps"] == 5
 
 
 def test_engine_takes_the_decode_path_and_times_only_on_request(ckpts):
