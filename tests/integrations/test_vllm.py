@@ -1,0 +1,149 @@
+"""KVStrataConnector inside vLLM's real CPU engine (offline ``LLM.generate``).
+
+One engine per module (start-up is the expensive part); each test uses its own prompt so the
+pages of one test never serve another. Prompts are 100 tokens: a hit covers
+``(100 - 1) // 32 = 3`` blocks = 96 tokens, and vLLM computes the last 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from integrations_util import require
+
+require("vllm")
+
+from vllm_run import BLOCK, connector, generate, make_llm  # noqa: E402
+
+from kvstrata.pagepool import PageInfo, page_hashes  # noqa: E402
+from kvstrata.pagepool.view import PAGE_MAJOR, GroupView, PoolView  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+PROMPT_LEN = 100
+HIT = (PROMPT_LEN - 1) // BLOCK * BLOCK
+
+
+def prompt(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (PROMPT_LEN,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory):
+    return tmp_path_factory.mktemp("kvstrata-vllm-disk")
+
+
+@pytest.fixture(scope="module")
+def llm(disk):
+    engine = make_llm({"disk_path": str(disk), "disk_bytes": 64 << 20})
+    yield engine
+    connector().shutdown()
+
+
+def counters() -> dict:
+    return dict(connector().stats()["store"])
+
+
+def delta(before: dict) -> dict:
+    now = counters()
+    return {k: now[k] - before[k] for k in now if now[k] != before[k]}
+
+
+def test_second_run_loads_the_prefix_and_generates_the_same_tokens(llm):
+    p = prompt(1)
+    before = counters()
+    cold, cached = generate(llm, [p])
+    assert cached == [0]
+    d = delta(before)
+    # 100 prompt tokens + 7 computed outputs (the 8th is sampled, never computed): 3 full blocks
+    assert d["saved_pages"] == 3 and d.get("loaded_pages", 0) == 0
+
+    before = counters()
+    warm, cached = generate(llm, [p])
+    assert cached == [HIT]                   # vLLM's own counter: 96 tokens came from kvstrata
+    assert warm == cold                      # lossless codec: the same greedy tokens
+    d = delta(before)
+    assert d["loaded_pages"] == 3 and d.get("corrupt_records", 0) == 0
+
+
+def test_another_cache_salt_gets_no_hit(llm):
+    p = prompt(2)
+    cold, _ = generate(llm, [p], ["tenant-a"])
+    _, cached = generate(llm, [p], ["tenant-a"])
+    assert cached == [HIT]
+    before = counters()
+    other, cached = generate(llm, [p], ["tenant-b"])
+    assert cached == [0] and delta(before).get("loaded_pages", 0) == 0
+    assert other == cold                     # same model: the salt changes reuse, not tokens
+
+
+def test_loaded_kv_decides_the_tokens(llm):
+    """The test model's tokens depend on the K/V it loads: zero K/V under valid records (right
+    hashes, right CRCs) changes them. (vLLM's dummy weights would not notice.)"""
+    p = prompt(3)
+    cold, _ = generate(llm, [p])
+    store = connector().store
+    ns = connector().namespace
+    hashes = page_hashes(ns, p[:HIT])
+    infos = [PageInfo(i, h, hashes[i - 1] if i else ns.digest, tuple(p[i * BLOCK:(i + 1) * BLOCK]))
+             for i, h in enumerate(hashes)]
+    spec = store.specs[0]
+    zeros = torch.zeros((len(infos), *spec.page_shape(BLOCK)), dtype=spec.dtype)
+    view = PoolView((GroupView(spec, PAGE_MAJOR, (zeros,)),), len(infos), BLOCK)
+    assert store.save(view, range(len(infos)), infos) == [True] * 3
+    zeroed, cached = generate(llm, [p])
+    assert cached == [HIT]
+    assert zeroed != cold
+
+
+def _flip_payload_byte(disk: Path, pos: int = 1000) -> None:
+    """Flip one byte in the newest segment file (payload bytes of the latest records)."""
+    segs = sorted((disk / "segments").glob("*.seg"), key=lambda f: f.stat().st_mtime_ns)
+    f = segs[-1]
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.seek(size - pos)
+        b = fh.read(1)
+        fh.seek(size - pos)
+        fh.write(bytes([b[0] ^ 0x40]))
+
+
+def test_a_flipped_byte_is_a_failed_load_then_a_recompute(llm, disk):
+    p = prompt(4)
+    cold, _ = generate(llm, [p])
+    # the newest payload bytes belong to this prompt's last block (its records were the last
+    # ones written)
+    _flip_payload_byte(disk)
+    before = counters()
+    again, _ = generate(llm, [p])
+    assert again == cold                     # recomputed, correct tokens
+    d = delta(before)
+    assert d["corrupt_records"] == 1         # counted, never used
+    assert d.get("loaded_pages", 0) == 2     # the two good blocks before it were loaded
+    # the recomputed block was saved again: the next run hits all three
+    before = counters()
+    third, cached = generate(llm, [p])
+    assert third == cold and cached == [HIT]
+    assert delta(before)["loaded_pages"] == 3
+
+
+def test_a_new_process_reads_the_disk_tier(llm, disk):
+    p = prompt(5)
+    cold, _ = generate(llm, [p])
+    args = {"extra": {"disk_path": str(disk), "disk_bytes": 64 << 20}, "prompts": [p]}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH",
+                                                                                  "")]))
+    out = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), json.dumps(args)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["cached"] == [HIT]
+    assert res["tokens"] == [cold]
+    assert res["stats"]["loaded_pages"] == 3 and res["stats"]["corrupt_records"] == 0
