@@ -3,7 +3,7 @@
 As a module: :func:`make_llm` builds the engine in this process and :func:`generate` runs greedy
 generations. As a script (a *new process*)::
 
-    python vllm_run.py '{"extra": {...}, "prompts": [[...]], "salts": [null], "max_tokens": 8}'
+    python vllm_run.py '{"extra": {...}, "prompts": [[...]], "salts": [null], "max_tokens": 24}'
 
 prints one JSON line ``{"tokens": [[...]], "cached": [n, ...]}`` (``cached``: vLLM's own
 ``RequestOutput.num_cached_tokens``).
@@ -48,7 +48,7 @@ def make_llm(extra: dict):
 
 
 def generate(llm, prompts: list[list[int]], salts: list[str | None] | None = None,
-             max_tokens: int = 8) -> tuple[list[list[int]], list[int]]:
+             max_tokens: int = 24) -> tuple[list[list[int]], list[int]]:
     from vllm import SamplingParams
 
     salts = salts or [None] * len(prompts)
@@ -74,6 +74,6 @@ def connector():
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     llm = make_llm(args["extra"])
-    tokens, cached = generate(llm, args["prompts"], args.get("salts"), args.get("max_tokens", 8))
+    tokens, cached = generate(llm, args["prompts"], args.get("salts"), args.get("max_tokens", 24))
     print(json.dumps({"tokens": tokens, "cached": cached,
                       "stats": connector().stats()["store"]}), flush=True)
