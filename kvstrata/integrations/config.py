@@ -65,6 +65,19 @@ class StoreConfig:
             raise ValueError("kvstrata: no tier configured; set at least one of host_bytes, "
                              "disk_path, remote_url")
 
+    def namespace(self, default_fingerprint: str, groups, page_size: int, shard: str = ""
+                  ) -> Namespace:
+        """The namespace of an engine's pages: the model fingerprint (``fingerprint`` or the
+        engine's), the groups and the page size. The groups' codecs are bound too (a group spec's
+        fingerprint leaves them out): a record of another codec would fail a reader's codec check
+        and be deleted as a mismatch, so engines configured with different codecs on one shared
+        tier keep apart instead of removing each other's records. ``shard`` names the part of
+        the model's KV a rank holds (tensor parallelism), when it is not all of it."""
+        codecs = ",".join(f"{g.name}={g.codec}" for g in groups)
+        target = f"{self.fingerprint or default_fingerprint}|{codecs}" + (f"|{shard}" if shard
+                                                                          else "")
+        return Namespace(target, tuple(groups), page_size)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "StoreConfig":
         d = dict(d or {})

@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from ...pagepool import KVGroupSpec, Namespace, PageInfo, blake2b_128, hash_page
+from ...pagepool import KVGroupSpec, PageInfo, blake2b_128, hash_page
 from ...pagepool.view import PAGE_MAJOR, GroupView, PoolView
 from ..config import StoreConfig, acquire_store, release_store
 
@@ -78,15 +78,15 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         sc = self.storage_config
         spec = KVGroupSpec("target", mem_pool_host.layer_num, mem_pool_host.head_num,
                            mem_pool_host.head_dim, mem_pool_host.dtype, self.config.codec)
-        fingerprint = self.config.fingerprint or f"sglang:{sc.model_name}"
         # Each TP / PP / CP rank stores its own shard of every page under its own namespace.
         shard = f"tp{sc.tp_rank}/{sc.tp_size}:pp{sc.pp_rank}/{sc.pp_size}:" \
                 f"cp{sc.attn_cp_rank}/{sc.attn_cp_size}:dp{sc.dp_rank}"
-        self.namespace = Namespace(f"{fingerprint}:{shard}", (spec,), mem_pool_host.page_size)
+        self.namespace = self.config.namespace(f"sglang:{sc.model_name}", (spec,),
+                                               mem_pool_host.page_size, shard)
         self.spec, self.page_size = spec, mem_pool_host.page_size
-        self._flat_shape, self._perm = _LAYOUTS[layout]
-        self._flat_shape = self._flat_shape(spec.num_layers, self.page_size, spec.num_kv_heads,
-                                            spec.head_dim)
+        shape_of, self._perm = _LAYOUTS[layout]
+        self._flat_shape = shape_of(spec.num_layers, self.page_size, spec.num_kv_heads,
+                                    spec.head_dim)
         self._inv = tuple(self._perm.index(i) for i in range(5))
         if self.store is not None:
             release_store(self.store)

@@ -44,8 +44,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...pagepool import KVGroupSpec, Namespace, PageInfo, page_hashes
+from ...pagepool import KVGroupSpec, PageInfo, page_hashes
 from ...pagepool.view import LAYER_KV_FIRST, GroupView, PoolView
 from ..config import StoreConfig, acquire_store, release_store
 
@@ -98,13 +99,14 @@ class KVStrataConnector(KVConnectorBase_V1):
         self.config = StoreConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config)
         self.spec, self.layer_names, self.page_size = _kv_layout(vllm_config, kv_cache_config,
                                                                  self.config.codec)
-        self.namespace = Namespace(self.config.fingerprint or _fingerprint(vllm_config),
-                                   (self.spec,), self.page_size)
+        self.namespace = self.config.namespace(_fingerprint(vllm_config), (self.spec,),
+                                               self.page_size)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning("kvstrata: kv_load_failure_policy=%r fails a request whose stored block "
                         "is found corrupt; set it to 'recompute' to recompute such blocks",
                         self._kv_transfer_config.kv_load_failure_policy)
         self.store = acquire_store(self.config, self.namespace)
+        self._cache_hit_source = _hit_source(self.store)
         # scheduler side
         self._reqs: dict[str, _Tracked] = {}
         self._hits: dict[str, tuple[int, int]] = {}   # req id -> (local tokens, stored pages)
@@ -112,6 +114,11 @@ class KVStrataConnector(KVConnectorBase_V1):
         self._view: PoolView | None = None
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a save that never happened is a later miss, never an error.
+        return False
 
     # ==========================================================================================
     # Scheduler side
@@ -275,6 +282,14 @@ class KVStrataConnector(KVConnectorBase_V1):
         store, self.store = self.store, None
         if store is not None:
             release_store(store)
+
+
+def _hit_source(store) -> CacheHitSource:
+    """vLLM's label for this connector's hits: its outermost tier (a lookup does not say which
+    tier holds each page)."""
+    names = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+    return CacheHitSource.outermost(names.get(t.name, CacheHitSource.EXTERNAL_UNSPECIFIED)
+                                    for t in store.tiers)
 
 
 def _cacheable(request: "Request") -> bool:
