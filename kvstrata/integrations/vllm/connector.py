@@ -129,9 +129,8 @@ class KVStrataConnector(KVConnectorBase_V1):
             return 0, False
         P = self.page_size
         usable = (request.num_tokens - 1) // P
-        if usable <= num_computed_tokens // P:
-            self._hits[request.request_id] = (num_computed_tokens, 0)
-            return 0, False
+        # Looked up even when vLLM's own prefix cache covers the prompt: pages already stored
+        # are then not encoded and saved again.
         tr = self._reqs.get(request.request_id)
         hashes = self._hashes(request, usable, tr.hashes if tr is not None else None)
         n = self.store.lookup(hashes)
