@@ -114,7 +114,7 @@ def bench_transfer(device: torch.device, codec: str, batch: int, tiny: bool, rep
     want = pool.kv["target"][0] if c.lossless else c.decode(c.encode(pool.kv["target"][0]), device)
     exact = torch.equal(pool.kv["target"][batch], want)
     raw = g.bytes_per_page(P) * batch
-    moved = sum(e.nbytes for e in (tiers.host.get(i.hash) for i in src))
+    moved = sum(e.nbytes for e in (tiers.host.entry(i.hash) for i in src))
     return dict(codec=codec, batch=batch_pages, chunk=min(chunk, batch_pages), raw=raw,
                 moved=moved,
                 ms_down=ms_down, ms_up=ms_up,

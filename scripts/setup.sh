@@ -5,6 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+# The remote tier's tests start real Redis servers (Debian's redis-server, with redis-cli).
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    SUDO=()
+  elif command -v sudo >/dev/null; then
+    SUDO=(sudo -n)
+  else
+    echo "setup.sh: redis-server is missing and this user cannot install it (not root, no sudo);" \
+         "install Debian's redis-server package" >&2
+    exit 1
+  fi
+  "${SUDO[@]}" apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends \
+    redis-server >/dev/null
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

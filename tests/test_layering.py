@@ -16,7 +16,7 @@ import kvstrata
 ROOT = Path(kvstrata.__file__).resolve().parent
 RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
         "pagepool": 4, "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8,
-        "demo": 8, "testing": 8, "integrations": 8, "cli": 9}
+        "demo": 8, "testing": 8, "integrations": 8, "cli": 9, "__main__": 10}
 
 
 def _top(module_path: Path) -> str:

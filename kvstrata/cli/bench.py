@@ -22,7 +22,7 @@ HELP = "run benchmark suites (acceptance length cold vs warm)"
 def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
     from kvstrata.bench.acceptance import SCENARIOS
 
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     p.add_argument("--dtype", default="float32", help="model and pool dtype (or 'auto')")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
@@ -31,7 +31,7 @@ def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
     p.add_argument("--model", default="kvstrata-tiny-py",
                    help="shipped pair name or a directory with target/ and drafter/")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt draw and sampling")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
     p.add_argument("--out", default=None,
@@ -40,8 +40,9 @@ def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    from kvstrata.cli.main import HelpFormatter
     acc = sub.add_parser("acceptance", help="acceptance length cold vs warm, per tier and codec",
-                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                         description=__doc__, formatter_class=HelpFormatter)
     add_acceptance_arguments(acc)
     acc.set_defaults(_suite=run_acceptance)
 

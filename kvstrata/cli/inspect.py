@@ -18,7 +18,8 @@ HELP = "summarize, list, show or verify the pages of a disk tier"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="directory of the disk tier")
+    p.add_argument("path", metavar="PATH",
+                   help="directory of the disk tier, or a redis:// URL (kvstrata.cli.inspect_remote)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--list", action="store_true", help="one row per page, oldest access first")
     mode.add_argument("--page", metavar="HASH", help="header and token ids of one page (hex hash)")
@@ -106,6 +107,9 @@ def _page_doc(key: bytes, rec, size: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.path.startswith(("redis://", "rediss://")):
+        from kvstrata.cli.inspect_remote import run as run_remote
+        return run_remote(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -23,7 +23,7 @@ HELP = "drive random page traffic through the tiers and check every page read"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="how long to run")
     p.add_argument("--dir", default=None, help="disk tier directory (default: a temporary one)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="device of the page pool (cpu, cuda)")
     p.add_argument("--pages", type=int, default=64, help="device pool pages")
     p.add_argument("--host-pages", type=int, default=48, help="host tier slots")
     p.add_argument("--disk-mb", type=int, default=64, help="disk tier capacity (MiB)")
@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="codec of the target and draft groups, comma-separated")
     p.add_argument("--restart-every", type=float, default=3.0,
                    help="reopen the disk tier this often (seconds; 0: never)")
-    p.add_argument("--write-through", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--write-through", action="store_true",
+                   help="also write every page to host and disk as soon as it is hashed")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request draw")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 avoids spin-waiting on small copies)")
 
@@ -85,12 +86,22 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.pagepool import KVCacheManager, KVGroupSpec, Namespace, PagePool, page_hashes
     from kvstrata.tiers import DiskTier, TierManager
 
-    torch.set_num_threads(args.threads)
-    if args.seconds <= 0:
-        raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    from kvstrata.codecs import available_codecs
+
+    if not args.seconds > 0:
+        raise ValueError(f"--seconds must be positive, got {args.seconds:g}")
+    for flag in ("pages", "host_pages", "disk_mb", "prompts", "threads"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(args, flag)}")
     codecs = args.codecs.split(",")
     if len(codecs) != 2:
         raise ValueError(f"--codecs takes two names (target,draft), got {args.codecs!r}")
+    unknown = [c for c in codecs if c not in available_codecs()]
+    if unknown:
+        raise ValueError(f"--codecs: unknown codec {unknown[0]!r}; known: "
+                         f"{', '.join(available_codecs())}")
+    torch.set_num_threads(args.threads)
     console = Console()
     P = 16
     groups = [KVGroupSpec("target", 4, 2, 64, torch.bfloat16, codecs[0]),

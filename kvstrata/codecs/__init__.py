@@ -1,4 +1,7 @@
-"""Cold-page codecs, chosen per layer group: ``identity``, ``nvfp4`` (lossy), ``lossless``."""
+"""Cold-page codecs, chosen per layer group: ``identity``, ``nvfp4`` (lossy), ``lossless``.
+
+Importing this package imports every built-in codec module; each registers its codec.
+"""
 
 from .base import (ChecksumError, Codec, CodecError, CodecVersionError, CorruptPageError,
                    EncodedPage, IdentityCodec, UnencodablePageError, available_codecs, crc32,

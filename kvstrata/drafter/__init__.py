@@ -2,7 +2,7 @@
 
 from .arena import DraftArena
 from .config import DFlashConfig, default_target_layer_ids
-from .model import DFlashDrafter, DraftAttention, PagedDraftAttention
+from .model import DFlashDrafter, DraftAttentionFn, PagedDraftAttention
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DraftArena", "DraftAttention", "PagedDraftAttention",
+__all__ = ["DFlashConfig", "DFlashDrafter", "DraftArena", "DraftAttentionFn", "PagedDraftAttention",
            "default_target_layer_ids"]

@@ -14,7 +14,6 @@ Attention is a callable ``attn(layer, q, k, v) -> o`` so the paged backend
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Callable, Iterator
@@ -26,12 +25,12 @@ from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention, plan_attention
 from ..kernels.kv_write import write_kv
 from ..nn.layers import RMSNorm, SwiGLUMLP, apply_rotary, rope_cos_sin
-from ..nn.loader import load_safetensors_dir
+from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
 
 #: attn(layer, q [Tq, Hq, D], k [Tq, Hkv, D], v [Tq, Hkv, D]) -> [Tq, Hq, D]
-DraftAttention = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+DraftAttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 class _Attn(nn.Module):
@@ -91,7 +90,7 @@ class DFlashDrafter(nn.Module):
                              f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
         model.to(device=device, dtype=dt).eval()
         model.requires_grad_(False)
-        model._fingerprint = _fingerprint(cfg, state)
+        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(repr(cfg)), state)
         return model
 
     @property
@@ -136,7 +135,7 @@ class DFlashDrafter(nn.Module):
             write_kv(kv_cache, i, k, v, slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
-    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttention) -> Tensor:
+    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
         """Run packed draft blocks.
 
         noise: ``[Tq, hidden]`` target embeddings of the blocks (times ``input_embedding_scale``);
@@ -209,20 +208,3 @@ class PagedDraftAttention:
                                    sliding_window=w, impl=self.impl)
         return paged_attention(q, self.kv, layer, self.meta_block, sm_scale=self.d.sm_scale,
                                sliding_window=w, block_kv=(k, v), impl=self.impl)
-
-
-def _fingerprint(cfg: DFlashConfig, state: dict[str, Tensor]) -> str:
-    """Digest of the config and every weight's name, shape, dtype and bytes.
-
-    The fingerprint goes into the prefix-cache namespace, so two drafters that differ anywhere must
-    never share draft pages (a fine-tune changes weights everywhere by small amounts); hashing every
-    byte costs about a second per GB, once at load time.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(repr(cfg)).encode())
-    for name in sorted(state):
-        t = state[name].contiguous().view(-1)
-        h.update(f"{name}:{tuple(state[name].shape)}:{t.dtype}".encode())
-        if t.numel():
-            h.update(t.view(torch.uint8).numpy().data)
-    return "dflash-" + h.hexdigest()

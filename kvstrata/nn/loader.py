@@ -9,11 +9,13 @@ files are memory-mapped copy-on-write, so nothing is read until a tensor is used
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
 import struct
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -131,3 +133,21 @@ def load_safetensors_dir(path: str | os.PathLike) -> dict[str, Tensor]:
 
 __all__ = ["CheckpointError", "checkpoint_files", "load_safetensors_dir", "load_safetensors_file",
            "read_config"]
+
+
+def weights_fingerprint(config_text: str, tensors: Mapping[str, Tensor]) -> str:
+    """Hex BLAKE2b-128 of a model's config text and every tensor's name, dtype, shape and bytes.
+
+    It goes into the prefix-cache namespace, so two models that differ anywhere (a fine-tune
+    changes every weight by a little) never share pages; reading every byte costs about a second
+    per GB, once at load time.
+    """
+    from ..dtypes import dtype_name
+    h = hashlib.blake2b(digest_size=16)
+    h.update(config_text.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(t.view(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()

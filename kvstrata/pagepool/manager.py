@@ -17,6 +17,7 @@ Lifecycle of a sequence::
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -39,6 +40,13 @@ class PrefixSource(Protocol):
         Returns how many leading pages were loaded and verified; pages past that number were not
         written (a miss: corrupt, evicted meanwhile, ...).
         """
+
+
+class UnknownSequenceError(KeyError):
+    """A sequence id the manager does not hold (never admitted, or already freed)."""
+
+    def __str__(self) -> str:          # KeyError would quote the message
+        return str(self.args[0])
 
 
 @dataclass(slots=True)
@@ -90,7 +98,17 @@ class KVCacheManager:
         self.namespace = namespace
         self.lower = lower
         self.seqs: dict[object, SequenceState] = {}
+        self._freed: OrderedDict[object, None] = OrderedDict()   # recent ids, for errors only
         self.stats = {"lookups": 0, "hit_tokens": 0, "query_tokens": 0}
+
+    def _seq(self, seq_id: object, op: str) -> SequenceState:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            state = ("was already freed" if seq_id in self._freed else
+                     "was never admitted (admit() it first)")
+            raise UnknownSequenceError(f"{op}: sequence {seq_id!r} {state}; {len(self.seqs)} sequence(s) are "
+                           "admitted")
+        return seq
 
     @property
     def page_size(self) -> int:
@@ -205,7 +223,7 @@ class KVCacheManager:
         Raises :class:`OutOfPagesError` (allocating nothing) when the pool cannot supply them, and
         ``ValueError`` when no pool of this size ever could.
         """
-        seq = self.seqs[seq_id]
+        seq = self._seq(seq_id, "reserve")
         self._check_length(num_tokens)
         need = math.ceil(num_tokens / self.page_size) - len(seq.page_ids)
         if need <= 0:
@@ -216,7 +234,7 @@ class KVCacheManager:
 
     def slots(self, seq_id: object, start: int, end: int) -> list[int]:
         """Slot index ``page * page_size + offset`` of positions ``start..end-1``."""
-        seq = self.seqs[seq_id]
+        seq = self._seq(seq_id, "slots")
         P = self.page_size
         if end > len(seq.page_ids) * P or start < 0 or start > end:
             raise ValueError(f"positions [{start}, {end}) are outside the {len(seq.page_ids)} "
@@ -228,7 +246,7 @@ class KVCacheManager:
 
         Returns the hashes of the newly full pages.
         """
-        seq = self.seqs[seq_id]
+        seq = self._seq(seq_id, "commit")
         n_new = len(seq.token_ids) + len(new_token_ids)
         if n_new > len(seq.page_ids) * self.page_size:
             raise ValueError(f"sequence {seq_id!r}: committing up to {n_new} tokens but only "
@@ -246,7 +264,11 @@ class KVCacheManager:
 
     def free(self, seq_id: object) -> None:
         """Release a finished sequence: hashed full pages become cached, tail pages leave first."""
-        seq = self.seqs.pop(seq_id)
+        seq = self._seq(seq_id, "free")
+        del self.seqs[seq_id]
+        self._freed[seq_id] = None
+        if len(self._freed) > 4096:
+            self._freed.popitem(last=False)
         self.pool.release(seq.page_ids[::-1])
 
     # -- batch metadata -------------------------------------------------------------------
@@ -255,7 +277,7 @@ class KVCacheManager:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """``block_tables [num_seqs, max_pages] int32`` (padded with 0) and
         ``seq_lens [num_seqs] int32`` (committed tokens unless ``seq_lens`` is given)."""
-        seqs = [self.seqs[s] for s in seq_ids]
+        seqs = [self._seq(s, "block_tables") for s in seq_ids]
         max_pages = max((len(s.page_ids) for s in seqs), default=0)
         bt = torch.zeros((len(seqs), max(max_pages, 1)), dtype=torch.int32)
         for i, s in enumerate(seqs):
@@ -267,4 +289,5 @@ class KVCacheManager:
         return bt.to(dev), sl.to(dev)
 
 
-__all__ = ["KVCacheManager", "OutOfPagesError", "PrefixHit", "PrefixSource", "SequenceState"]
+__all__ = ["KVCacheManager", "OutOfPagesError", "PrefixHit", "PrefixSource", "SequenceState",
+           "UnknownSequenceError"]

@@ -148,6 +148,10 @@ class PagePool:
         """Page id holding ``page_hash`` (in use or cached), or ``None``."""
         return self._index.get(page_hash)
 
+    def hashed_pages(self) -> list[PageInfo]:
+        """Every page findable by its hash (in use or cached): content final."""
+        return [self._info[p] for p in self._index.values()]
+
     def cached_pages(self) -> list[int]:
         """Cached pages, next to be evicted first."""
         return list(self._lru)

@@ -26,6 +26,10 @@ then gather straight from the pool without an intermediate copy.
 ``lookup`` (optional): ``hash -> page id | None``, where the engine's prefix index says a page
 hash lives now. Write-through uses it to skip a queued page that the engine has replaced since it
 was hashed; an engine without such an index leaves it ``None``.
+
+``hashed_pages`` (optional): ``() -> list[PageInfo]``, every device page whose content is final
+and findable by its hash (in use or cached). ``TierManager.write_back()`` writes them down; an
+engine without it passes the pages to ``write_back`` itself.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class PoolView:
         num_pages: pages per group.
         page_size: tokens per page (a power of two).
         lookup: optional ``hash -> page id | None`` (see the module doc).
+        hashed_pages: optional ``() -> list[PageInfo]`` (see the module doc).
 
     Raises ValueError when a tensor's shape, dtype or device disagrees with its spec.
     """
@@ -74,6 +79,7 @@ class PoolView:
     num_pages: int
     page_size: int
     lookup: Callable[[bytes], int | None] | None = None
+    hashed_pages: Callable[[], list] | None = None
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -108,7 +114,8 @@ class PoolView:
     def of(cls, pool) -> "PoolView":
         """The view of a kvstrata :class:`~kvstrata.pagepool.PagePool` (``PAGE_MAJOR``)."""
         return cls(tuple(GroupView(g, PAGE_MAJOR, (pool.kv[g.name],)) for g in pool.groups),
-                   pool.num_pages, pool.page_size, lookup=pool.lookup)
+                   pool.num_pages, pool.page_size, lookup=pool.lookup,
+                   hashed_pages=pool.hashed_pages)
 
     @classmethod
     def page_major_groups(cls, specs: Sequence[KVGroupSpec], kv: dict[str, torch.Tensor],

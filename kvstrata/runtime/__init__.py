@@ -2,7 +2,7 @@
 
 from .config import CacheConfig
 from .engine import LLM
-from .outputs import RequestOutput
+from .outputs import RequestDelta, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["CacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CacheConfig", "LLM", "RequestDelta", "RequestOutput", "SamplingParams"]

@@ -21,7 +21,9 @@ class CacheConfig:
 
     Args:
         kv_cache_bytes: KV budget for every group together. ``None``: exactly what
-            ``max_batch_size`` sequences of ``max_seq_len`` tokens need.
+            ``max_batch_size`` sequences of ``max_seq_len`` tokens need. Less is fine (requests
+            are admitted by what they need, and preempted under pressure) as long as one
+            sequence of ``max_seq_len`` fits.
         page_size: tokens per page (a power of two).
         max_seq_len: prompt + generated tokens per sequence (default: the models' limit).
         max_batch_size: sequences running at once.
@@ -31,8 +33,10 @@ class CacheConfig:
         target_codec, draft_codec: cold-page codecs of the two groups.
         drafter_backend: ``"paged"`` (draft context in the pool; the default) or ``"arena"``
             (private dense per-request buffer; a baseline only).
-        tiers: a TierManager-like object (``lookup_prefix``/``load_prefix``, ``on_evict``) or a
-            callable ``pool -> TierManager``; ``None`` keeps KV on the device only.
+        tiers: a dict for ``TierManager.from_config`` (``host_bytes``, ``disk`` = a directory
+            or a DiskTier, ``remote`` = a ``redis://`` URL or a RemoteTier, ``write_through``,
+            ...; checked when the engine is built), or a callable ``(pool, namespace) ->
+            TierManager``; ``None`` keeps KV on the device only.
     """
 
     kv_cache_bytes: int | None = None
@@ -97,17 +101,19 @@ def plan_cache(cfg: CacheConfig, groups: Sequence[KVGroupSpec], model_limits: di
     if cfg.kv_cache_bytes is None:
         num_pages = need
     else:
+        # Admission is by actual need and a running sequence is preempted when the pool runs
+        # dry, so a pool below max_batch_size x max_seq_len is fine; it must hold one sequence.
         num_pages = cfg.kv_cache_bytes // per_page
-        if num_pages < need:
-            fit_batch = num_pages // pages_per_seq
-            fit_len = (num_pages // cfg.max_batch_size) * P
+        if num_pages < pages_per_seq:
+            fit_len = num_pages * P
             raise ValueError(
-                f"max_batch_size={cfg.max_batch_size} sequences of max_seq_len={max_seq_len} need "
-                f"{need} pages = {format_bytes(need * per_page)} of KV "
-                f"({format_bytes(per_page)} per page of {P} tokens over groups "
-                f"{[g.name for g in groups]}); kv_cache_bytes={format_bytes(cfg.kv_cache_bytes)} "
-                f"holds {num_pages} pages. The largest max_batch_size that fits is {fit_batch}; "
-                f"the largest max_seq_len at this batch size is {fit_len}")
+                f"one sequence of max_seq_len={max_seq_len} needs {pages_per_seq} pages = "
+                f"{format_bytes(pages_per_seq * per_page)} of KV ({format_bytes(per_page)} per "
+                f"page of {P} tokens over groups {[g.name for g in groups]}); "
+                f"kv_cache_bytes={format_bytes(cfg.kv_cache_bytes)} holds {num_pages} pages. "
+                f"The largest max_seq_len that fits is {fit_len}; "
+                f"{format_bytes(need * per_page)} hold max_batch_size={cfg.max_batch_size} "
+                f"sequences of max_seq_len={max_seq_len} without preemption")
     if free_bytes is not None and num_pages * per_page > free_bytes:
         fit = free_bytes // per_page
         raise ValueError(

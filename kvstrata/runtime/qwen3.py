@@ -9,7 +9,6 @@ used by every layer). One forward serves prefill chunks, decode and speculative 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import AttentionMetadata, paged_attention
 from ..kernels.kv_write import write_kv
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
-from ..nn.loader import CheckpointError, load_safetensors_dir, read_config
+from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
+                         weights_fingerprint)
 from ..pagepool.spec import KVGroupSpec
 
 _ARCHS = ("Qwen3ForCausalLM", "Qwen3Model")
@@ -223,13 +223,7 @@ class Qwen3Model(nn.Module):
         :meth:`load_weights` runs again.
         """
         if self._fingerprint is None:
-            h = hashlib.blake2b(digest_size=16)
-            h.update(self.config.to_json().encode())
-            for n, p in sorted(self.state_dict().items()):
-                t = p.detach().contiguous().cpu()
-                h.update(f"{n}|{dtype_name(t.dtype)}|{tuple(t.shape)}".encode())
-                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-            self._fingerprint = h.hexdigest()
+            self._fingerprint = weights_fingerprint(self.config.to_json(), self.state_dict())
         return self._fingerprint
 
     # -- compute ----------------------------------------------------------------------------

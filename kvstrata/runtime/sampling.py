@@ -9,6 +9,7 @@ target's sampling distribution ``p`` (after temperature, top-k and top-p).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,10 +18,16 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation settings (vLLM style).
+    """Per-request generation settings (vLLM's names and meanings).
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes a sampled request reproducible on its own.
+
+    Stopping: generation ends at the target's end-of-sequence ids (from its ``config.json`` /
+    ``generation_config.json``) unless ``ignore_eos``; at any of ``stop_token_ids`` (kept as the
+    last output token); or at any of the ``stop`` strings (the output text ends before the stop
+    string; the token that completed it is the last output token). None of these can end a
+    request before ``min_tokens`` tokens were generated.
     """
 
     max_tokens: int = 16
@@ -29,25 +36,46 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or \
                 self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         stops = tuple(self.stop_token_ids or ())
-        if any(not isinstance(t, int) or t < 0 for t in stops):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative token ids, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        strs = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in strs):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got "
+                             f"{self.stop!r}")
+        object.__setattr__(self, "stop", strs)
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def sampling_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0

@@ -14,19 +14,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tokenizer import Detokenizer
 from .sampling import SamplingParams
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 # A handoff request (``LLM.prefill``) stops here after its first token: its pages stay held.
 PREFILLED = "prefilled"
+# Preempted under pool pressure: its sequence was freed (full pages stay cached, and move to the
+# tiers when evicted); it waits to be re-admitted and recomputes what the cache no longer holds.
+PREEMPTED = "preempted"
 
 
 @dataclass(slots=True, eq=False)
 class Request:
     """A request's progress. ``tokens`` = prompt + generated; in DECODE the last one is the
-    pending token (verified, its K/V not yet written), so ``num_computed == len(tokens) - 1``."""
+    pending token (verified, its K/V not yet written), so ``num_computed == len(tokens) - 1``.
 
-    rid: int
+    Stopping (:meth:`append`): ``stop_ids`` (the params' ``stop_token_ids`` plus the model's EOS
+    ids unless ``ignore_eos``) end the request with the stop token as the last output token; the
+    params' ``stop`` strings end it with the output text cut before the stop string; neither can
+    end it before ``min_tokens`` tokens (the engine also masks ``stop_ids`` out of the target's
+    distribution until then, as vLLM does).
+    """
+
+    rid: object                     # request id (``add_request``'s, or a prompt index)
     prompt: list[int]
     params: SamplingParams
     max_length: int                 # prompt + generated tokens never exceed this
@@ -35,11 +46,23 @@ class Request:
     num_computed: int = 0           # tokens whose K/V (every group) is written and committed
     state: str = WAITING
     num_cached_tokens: int = 0
+    cached_from: dict = field(default_factory=dict)   # prefix pages reused per tier (admission)
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None
     generator: torch.Generator | None = None
     handoff: bool = False           # stop at PREFILLED (first token sampled) instead of decoding
     rid_key: tuple | None = None    # the manager's sequence id (unique across generate calls)
+    stop_ids: frozenset = frozenset()
+    detok: Detokenizer | None = None
+    text: str = ""                  # output text so far (stop strings cut off)
+    resume_to: int = 0              # PREEMPTED: tokens to recompute before decoding resumes
+    admit_order: int = 0            # admission counter (preemption takes the newest)
+    num_preemptions: int = 0
+    sent_tokens: int = 0            # output tokens / text already reported by ``LLM.step``
+    sent_text: int = 0
+    last_al: int | None = None      # acceptance length of this step (None: no verify)
+    t_arrival: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
@@ -48,23 +71,49 @@ class Request:
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)
 
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before decoding: the prompt, or what a preemption dropped."""
+        return self.resume_to if self.resume_to else len(self.prompt)
+
     def block_len(self, block_size: int) -> int:
         """Verify positions this step (the reference shortens the last block to fit)."""
         return min(block_size, self.max_length - self.num_computed)
 
-    def append(self, new: list[int]) -> None:
-        """Append generated tokens; finish on a stop token or at ``max_length``."""
-        stops = self.params.stop_token_ids
-        for t in new:
+    def append(self, new: list[int]) -> int:
+        """Append generated tokens up to the first that ends the request; returns how many were
+        appended. Finishes on a stop id or string (after ``min_tokens``) or at ``max_length``."""
+        sp = self.params
+        for j, t in enumerate(new):
             self.tokens.append(t)
-            if t in stops:
+            before = len(self.text)
+            if self.detok is not None:
+                self.text += self.detok.push(t)
+            g = self.num_generated
+            if t in self.stop_ids and g > sp.min_tokens:
                 self.finish("stop")
-                return
+                return j + 1
+            if sp.stop and g >= sp.min_tokens and self._cut_stop_string(before):
+                self.finish("stop")
+                return j + 1
         if len(self.tokens) >= self.max_length:
             self.finish("length")
+        return len(new)
 
-    def finish(self, reason: str) -> None:
+    def _cut_stop_string(self, before: int) -> bool:
+        """Cut the text at the first stop string that this token's text completed."""
+        cut = [i for i in (self.text.find(s, max(0, before - len(s) + 1))
+                           for s in self.params.stop) if i >= 0]
+        if not cut:
+            return False
+        self.text = self.text[:min(cut)]
+        return True
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        if self.detok is not None and reason != "stop":
+            self.text += self.detok.flush()
         self.state, self.finish_reason, self.t_done = DONE, reason, time.perf_counter()
+        self.error = error
 
 
 @dataclass(slots=True)
@@ -84,6 +133,7 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
         self.running: deque[Request] = deque()
+        self.finished: list[Request] = []     # retired this step (for ``LLM._drive``)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -111,7 +161,7 @@ class Scheduler:
             if budget <= 0:
                 break
             if r.state == PREFILL:
-                n = min(len(r.prompt) - r.num_computed, budget)
+                n = min(r.prefill_target - r.num_computed, budget)
                 prefill.append((r, n))
                 budget -= n
         return StepPlan(decode, prefill)

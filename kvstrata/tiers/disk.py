@@ -56,6 +56,7 @@ from typing import Callable, Iterator, Sequence
 import lmdb
 
 from ..pagepool import format_bytes
+from .protocol import check_key, new_counters, record_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -816,6 +817,76 @@ class DiskTier:
         """Write pending access-order updates (called by :meth:`close`)."""
         if self._touched and not self.readonly:
             self.put_batch([])
+
+    # -- the Tier protocol (kvstrata.tiers.protocol): thin wrappers over the methods above ------
+    # ``delete(keys) -> int`` and ``touch(keys)`` already have the protocol's meaning.
+    name = "disk"
+
+    def _tier_counters(self) -> dict[str, int]:
+        tc = self.__dict__.get("_tc")
+        if tc is None:
+            tc = self.__dict__["_tc"] = new_counters()
+        return tc
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            return self.contains([check_key(k) for k in keys])
+        except lmdb.Error as e:
+            self._read_fault(e)
+            return [False] * len(keys)
+
+    def get(self, keys: Sequence[bytes]) -> list[list | None]:
+        """Stored parts per key (heads copied out of LMDB; payloads are views of the read-only
+        segment maps, valid while held), ``None`` for a miss. A read fault is a miss."""
+        tc = self._tier_counters()
+        keys = [check_key(k) for k in keys]
+        try:
+            with self.reader() as get:
+                out = []
+                for k in keys:
+                    parts = get(k)
+                    out.append(None if parts is None else [bytes(parts[0]), *parts[1:]])
+        except lmdb.Error as e:
+            self._read_fault(e)
+            out = [None] * len(keys)
+        hits = [p for p in out if p is not None]
+        tc["hits"] += len(hits)
+        tc["misses"] += len(out) - len(hits)
+        tc["read_bytes"] += sum(record_nbytes(p) for p in hits)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> list[bool]:
+        """:meth:`put_batch` answered per item: a page already present is refreshed (True);
+        of the new ones it stores a leading run (all unless the batch exceeds the capacity or
+        a fault drops the batch)."""
+        tc = self._tier_counters()
+        items = [(check_key(k), parts) for k, parts in items]
+        present = self.exists([k for k, _ in items])
+        n = self.put_batch(items)
+        ok, seen = [], {}
+        for (k, parts), had in zip(items, present):
+            if k not in seen:
+                seen[k] = had or n > 0
+                if not had and n > 0:
+                    n -= 1
+                    tc["written_bytes"] += record_nbytes(parts)
+            ok.append(seen[k])
+        tc["puts"] += sum(ok)
+        tc["put_failures"] += len(ok) - sum(ok)
+        return ok
+
+    def counters(self) -> dict[str, int | float]:
+        tc = dict(self._tier_counters())
+        tc["deletes"] = self.stats["deleted"]
+        tc["errors"] += self.stats["write_errors"]
+        return {**self.stats, **tc}
+
+    def _read_fault(self, e: BaseException) -> None:
+        tc = self._tier_counters()
+        if not tc["errors"]:
+            log.warning("disk tier %s: read failed (%s); answered as misses, counted in "
+                        "counters()['errors']", self.path, e)
+        tc["errors"] += 1
 
     def info(self) -> dict:
         st = self.env.stat()

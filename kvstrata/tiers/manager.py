@@ -1,13 +1,23 @@
-"""TierManager: demotes evicted pages device -> host -> disk and promotes prefix hits back.
+"""TierManager: the policy over the tiers below the device (host, then disk and remote).
 
 Wiring::
 
     pool = PagePool(groups, num_pages, page_size, device)
-    tiers = TierManager(pool, namespace, host_bytes=8 << 30,
-                        disk=DiskTier("/var/cache/kvstrata", map_size=64 << 30))
+    tiers = TierManager.from_config(pool, namespace, dict(
+        host_bytes=8 << 30, disk="/var/cache/kvstrata", remote="redis://cache:6379/0"))
     mgr = KVCacheManager(pool, namespace, lower=tiers)   # admit() promotes from the tiers
 
-The constructor sets ``pool.on_evict`` (and, with ``write_through=True``, ``pool.on_hashed``).
+Given a :class:`~kvstrata.pagepool.PagePool`, the manager subscribes to its ``on_evict`` (and, with
+``write_through=True``, ``on_hashed``) hooks; given a :class:`~kvstrata.pagepool.PoolView` (an
+outside engine's pages), the engine calls :meth:`TierManager.on_evict` / :meth:`on_hashed` itself.
+
+The manager holds policy only: *which* page goes *where* and *when*. It reaches device pages
+through the :class:`~kvstrata.pagepool.PoolView` (copies by the
+:class:`~kvstrata.tiers.transfer.Mover`), host slots through :class:`~kvstrata.tiers.host.HostTier`'s
+methods, and the lower tiers (``disk``, ``remote``: anything implementing
+:class:`~kvstrata.tiers.protocol.Tier`) through the protocol alone, with records built and
+verified here (:mod:`kvstrata.tiers.record`). The lower tiers are asked in order (disk before
+remote: the nearer first); a page is written to every lower tier that lacks it.
 
 Records carry the digest of the *unsalted* namespace (models, groups, page size, layout): a page's
 salt is already bound by its chain hash (the key), so a reader checks the unsalted digest, the hash
@@ -16,71 +26,62 @@ link ``H(parent || tokens)`` and the token ids.
 Codecs and tiers: host slots hold device-codec output (identity or NVFP4, encoded by the
 :class:`~kvstrata.tiers.transfer.Mover` straight into its staging rows) or the raw page bytes for
 a CPU-only lossless codec (``lossless``), whose host header says identity. CPU codecs run at the
-disk boundary: :meth:`TierManager._to_disk` encodes such a group's raw host bytes with the
-configured codec into the record (records on disk always hold the configured codec's output, so
-``check_groups`` and ``kvstrata inspect --verify`` see the same records as ever), and
-:meth:`TierManager._from_disk` decodes them back into raw host bytes. Eviction and promotion
+boundary to the lower tiers: :meth:`HostTier.records` encodes such a group's raw host bytes
+with the configured codec into the record (records in lower tiers always hold the configured
+codec's output, so ``check_groups`` and ``kvstrata inspect --verify`` see the same records
+everywhere), and :meth:`HostTier.fill` decodes them back into raw host bytes. Eviction and promotion
 through the host therefore never wait for the device nor run a CPU codec; host byte counters
 (``host_bytes``, ``d2h_bytes``, ``h2d_bytes``) count raw bytes for those groups.
 
-The host tier is inclusive: a page promoted from disk keeps its host copy, and a page demoted
-again that is still on the host costs nothing. Pages go to disk when the host evicts them
-(write-back, default) or as soon as they are hashed (``write_through=True``).
+The host tier is inclusive: a page promoted from a lower tier keeps its host copy, and a page
+demoted again that is still on the host costs nothing. Pages go to the lower tiers when the host
+evicts them (write-back, default), as soon as they are hashed (``write_through=True``: what
+engines sharing a remote tier want, so others find a prefix while it is still hot here), and on
+:meth:`TierManager.write_back` (every device and host page, e.g. at shutdown).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from ..codecs import CorruptPageError, EncodedPage, LosslessCodec, get_codec
-from ..dtypes import canonical_dtype
-from ..pagepool import Namespace, PageInfo, PagePool
+from ..codecs import CorruptPageError, get_codec
+from ..pagepool import Namespace, PageInfo, PagePool, PoolView
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
-from .record import RecordMismatch, build_record, verify_record
+from .protocol import Parts, Tier, leading
+from .record import RecordMismatch, verify_record
 from .transfer import Mover
 
 log = logging.getLogger(__name__)
 
-_COUNTERS = ("host_hits", "host_misses", "disk_hits", "disk_misses",
-             "d2h_pages", "d2h_bytes", "h2d_pages", "h2d_bytes",
-             "host_to_disk_pages", "host_to_disk_bytes", "disk_to_host_pages", "disk_to_host_bytes",
-             "checksum_failures", "mismatches", "host_evictions", "dropped_pages",
-             "unencodable_pages")
-
-#: Threads that encode host pages for the disk tier (zstd and numpy release the GIL).
-_ENCODE_THREADS = min(4, os.cpu_count() or 1)
-_encoders: tuple[int, ThreadPoolExecutor] | None = None
-_encoders_lock = threading.Lock()
-
-
-def _encoder_pool() -> ThreadPoolExecutor:
-    """The process's shared encoder threads (made again in a forked child, which has none)."""
-    global _encoders
-    with _encoders_lock:
-        if _encoders is None or _encoders[0] != os.getpid():
-            _encoders = (os.getpid(), ThreadPoolExecutor(_ENCODE_THREADS,
-                                                         thread_name_prefix="kvstrata-encode"))
-        return _encoders[1]
+_COUNTERS = ("host_hits", "host_misses", "d2h_pages", "d2h_bytes", "h2d_pages", "h2d_bytes",
+             "checksum_failures", "mismatches", "host_evictions", "dropped_pages")
+#: Per lower tier NAME: NAME_hits, NAME_misses, host_to_NAME_pages, ...
+_TIER_COUNTERS = ("{}_hits", "{}_misses", "host_to_{}_pages", "host_to_{}_bytes",
+                  "{}_to_host_pages", "{}_to_host_bytes", "{}_put_failures")
+#: ``CacheConfig(tiers=dict(...))`` keys :meth:`TierManager.from_config` takes.
+CONFIG_KEYS = ("host_bytes", "disk", "disk_bytes", "remote", "remote_options", "write_through",
+               "batch_pages", "chunk_pages")
 
 
 class TierManager:
-    """The tiers below the device pool; a :class:`~kvstrata.pagepool.PrefixSource`.
+    """The tiers below the device pool and the policy over them; a
+    :class:`~kvstrata.pagepool.PrefixSource`.
 
     Args:
-        pool: the device :class:`PagePool` (its groups fix codecs and the slot layout).
+        pool: the device pages: a :class:`PoolView`, or a :class:`PagePool` (viewed with
+            :meth:`PoolView.of`; with ``attach`` its eviction hooks call this manager).
         namespace: the base namespace (its unsalted digest goes into every record).
         host_bytes: host tier capacity (at least one page slot).
-        disk: an open :class:`DiskTier`, or ``None`` for host only.
-        write_through: also write a page to host and disk as soon as it is hashed.
+        disk: an open :class:`DiskTier` (any :class:`Tier` named ``"disk"``), or ``None``.
+        remote: a :class:`Tier` shared with other engines (:class:`~kvstrata.tiers.remote.
+            RemoteTier`), or ``None``. Asked after the disk.
+        write_through: also write a page to the host and every lower tier as soon as it is
+            hashed.
         batch_pages: most pages per copy batch (capped by the host slots). Each batch costs
             fixed host work (Python per page, launches per chunk); on an H200, NVFP4 evictions
             streamed at 3.25x the raw PCIe figure in batches of 256 and 2.6x in batches of 64
@@ -91,62 +92,128 @@ class TierManager:
             no pipelining within a batch.
     """
 
-    def __init__(self, pool: PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
-                 disk: DiskTier | None = None, write_through: bool = False,
-                 batch_pages: int = 256, attach: bool = True, chunk_pages: int | None = None):
-        if namespace.page_size != pool.page_size:
+    def __init__(self, pool: PoolView | PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
+                 disk: Tier | None = None, write_through: bool = False,
+                 batch_pages: int = 256, attach: bool = True, chunk_pages: int | None = None,
+                 remote: Tier | None = None):
+        view = pool if isinstance(pool, PoolView) else PoolView.of(pool)
+        if namespace.page_size != view.page_size:
             raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
-                             f"{pool.page_size}")
+                             f"{view.page_size}")
         if not isinstance(batch_pages, int) or batch_pages <= 0:
             raise ValueError(f"batch_pages must be a positive integer, got {batch_pages!r}")
-        self.pool = pool
+        for what, t in (("disk", disk), ("remote", remote)):
+            if t is not None and not isinstance(t, Tier):
+                raise ValueError(f"{what} must implement the Tier protocol (exists/get/put/"
+                                 f"delete/touch/counters/close), got {type(t).__name__}")
+        if disk is not None and remote is not None and disk.name == remote.name:
+            raise ValueError(f"disk and remote are both tiers named {disk.name!r}; their "
+                             f"counters would mix")
+        self.view = view
         self.namespace = namespace.with_salt(None)
         self.ns_digest = self.namespace.digest
-        self.specs = list(pool.groups)
+        self.specs = view.specs
         self.names = [g.name for g in self.specs]
         self.codecs = [get_codec(g.codec) for g in self.specs]
-        pin = pool.device.type == "cuda" and torch.cuda.is_available()
-        self.host = HostTier(self.specs, self.codecs, pool.page_size, host_bytes, pin=pin)
-        self.host.on_reject = self._rejected
+        pin = view.device.type == "cuda" and torch.cuda.is_available()
+        self.host = HostTier(self.specs, self.codecs, view.page_size, host_bytes, pin=pin)
         if self.host.num_slots == 0:
             raise ValueError("the tier stack needs a host tier of at least one page slot "
                              f"({self.host.slot_bytes} bytes): it stages every transfer")
         self.batch = min(batch_pages, self.host.num_slots)
-        self.mover = Mover(pool, self.host, self.codecs, self.batch, chunk_pages)
-        # Groups kept raw in the host tier whose configured (CPU) codec runs at the disk boundary.
-        self._disk_coded = [gi for gi, (c, hc) in enumerate(zip(self.codecs,
-                                                                self.mover.host_codecs))
-                            if hc is not c]
+        self.mover = Mover(view, self.host, self.codecs, self.batch, chunk_pages)
         self.disk = disk
+        self.remote = remote
+        #: the lower tiers, nearest first
+        self.lower: list[Tier] = [t for t in (disk, remote) if t is not None]
         self.write_through = write_through
         self._wt_queue: list[PageInfo] = []
         self.counters = dict.fromkeys(_COUNTERS, 0)
-        if attach:
-            self.attach()
+        for name in ("disk", *(t.name for t in self.lower)):
+            self.counters.update(dict.fromkeys((c.format(name) for c in _TIER_COUNTERS), 0))
+        #: pages per tier of the last :meth:`load_prefix` (``{"host": n, "disk": n, ...}``)
+        self.last_load: dict[str, int] = {}
+        self._closed = False
+        if attach and isinstance(pool, PagePool):
+            self.attach(pool)
+
+    @classmethod
+    def from_config(cls, pool: PoolView | PagePool, namespace: Namespace, spec: dict
+                    ) -> "TierManager":
+        """The tiers ``CacheConfig(tiers=dict(...))`` describes, checked now (a bad value is a
+        ValueError naming the key). Keys (:data:`CONFIG_KEYS`):
+
+        - ``host_bytes`` (int, default 1 GiB), ``write_through`` (bool), ``batch_pages``,
+          ``chunk_pages``: as in the constructor;
+        - ``disk``: a directory (str / PathLike; opened as a :class:`DiskTier` of ``disk_bytes``,
+          default 16 GiB) or an open :class:`DiskTier`;
+        - ``remote``: a ``redis://[user:password@]host:port/db`` URL (``rediss://`` for TLS;
+          a Redis Cluster is detected) or a :class:`Tier`; ``remote_options``: keyword
+          arguments of :class:`~kvstrata.tiers.remote.RemoteTier` (timeouts, retries, prefix).
+          A server that cannot be reached now leaves the engine without the remote tier, said
+          once in the log; a malformed URL is a ValueError.
+        """
+        if not isinstance(spec, dict):
+            raise ValueError(f"CacheConfig.tiers must be a dict of {', '.join(CONFIG_KEYS)}, "
+                             f"got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"CacheConfig.tiers: unknown key(s) {unknown}; valid keys: "
+                             f"{', '.join(CONFIG_KEYS)}")
+        kw = {k: spec[k] for k in ("host_bytes", "write_through", "batch_pages", "chunk_pages")
+              if k in spec}
+        if "write_through" in kw and not isinstance(kw["write_through"], bool):
+            raise ValueError(f"CacheConfig.tiers['write_through'] must be a bool, got "
+                             f"{kw['write_through']!r}")
+        disk = spec.get("disk")
+        opened: DiskTier | None = None
+        if isinstance(disk, (str, os.PathLike)):
+            cap = spec.get("disk_bytes", 16 << 30)
+            if not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0:
+                raise ValueError(f"CacheConfig.tiers['disk_bytes'] must be a positive number of "
+                                 f"bytes, got {cap!r}")
+            disk = opened = DiskTier(disk, map_size=max(2 * cap, 1 << 26), capacity_bytes=cap)
+        elif "disk_bytes" in spec:
+            raise ValueError("CacheConfig.tiers['disk_bytes'] sizes a disk tier given as a path; "
+                             "an open DiskTier has its own capacity")
+        elif disk is not None and not isinstance(disk, DiskTier):
+            raise ValueError(f"CacheConfig.tiers['disk'] must be a directory path or a DiskTier, "
+                             f"got {type(disk).__name__}")
+        remote = None
+        try:
+            remote = _remote_from_config(spec.get("remote"), spec.get("remote_options"),
+                                         namespace.with_salt(None).digest)
+            return cls(pool, namespace, disk=disk, remote=remote, **kw)
+        except BaseException:
+            # what this call opened is closed again; tiers the caller passed in stay open
+            if opened is not None:
+                opened.close()
+            if remote is not None and isinstance(spec.get("remote"), str):
+                remote.close()
+            raise
+
+    def attach(self, pool: PagePool) -> None:
+        """Subscribe to a :class:`PagePool`'s eviction (and, with write-through, hashing) hooks."""
+        pool.on_evict = self.on_evict
+        if self.write_through:
+            pool.on_hashed = self.on_hashed
 
     @staticmethod
-    def slot_bytes_for(pool: PagePool) -> int:
+    def slot_bytes_for(pool: PoolView | PagePool) -> int:
         """Host bytes one page takes (every group's largest encoded payload, aligned): size
         ``host_bytes`` as a multiple of this."""
-        codecs = [get_codec(g.codec) for g in pool.groups]
-        return slot_layout(pool.groups, codecs, pool.page_size)[2]
-
-    def attach(self) -> None:
-        """Install this manager as the pool's eviction (and write-through) callback."""
-        self.pool.on_evict = self.on_evict
-        if self.write_through:
-            if not hasattr(self.pool, "on_hashed"):
-                raise ValueError("write_through needs a PagePool with the on_hashed hook")
-            self.pool.on_hashed = self.on_hashed
+        specs = pool.specs if isinstance(pool, PoolView) else list(pool.groups)
+        codecs = [get_codec(g.codec) for g in specs]
+        return slot_layout(specs, codecs, pool.page_size)[2]
 
     # -- demotion ---------------------------------------------------------------------------------
     def on_evict(self, infos: list[PageInfo]) -> None:
-        """Pool callback: copy evicted cached pages (content intact during the call) down."""
+        """Eviction hook: copy evicted pages (content intact during the call) down."""
         self._flush_write_through()
         self._demote(infos)
 
     def on_hashed(self, info: PageInfo) -> None:
-        """Pool callback (write-through): queue a freshly hashed page; written in batches."""
+        """Hashing hook (write-through): queue a freshly hashed page; written in batches."""
         self._wt_queue.append(info)
         if len(self._wt_queue) >= self.batch:
             self._flush_write_through()
@@ -155,21 +222,22 @@ class TierManager:
         """Finish queued write-through pages and pending copies; persist disk access order."""
         self._flush_write_through()
         self.host.settle()
-        if self.disk is not None:
+        if isinstance(self.disk, DiskTier):
             self.disk.flush()
 
     def _flush_write_through(self) -> None:
         if not self._wt_queue:
             return
         # A queued page is still in the pool and indexed: it can only leave through on_evict,
-        # which flushes this queue first, so its content is intact here.
+        # which flushes this queue first, so its content is intact here. A page the engine
+        # replaced meanwhile (its index moved) is skipped.
         q, self._wt_queue = self._wt_queue, []
-        q = [i for i in q if self.pool.lookup(i.hash) == i.page_id]
+        if self.view.lookup is not None:
+            q = [i for i in q if self.view.lookup(i.hash) == i.page_id]
         self._demote(q)
         self.host.settle()
-        if self.disk is not None:
-            entries = [self.host.get(i.hash) for i in q]
-            self._to_disk([e for e in entries if e is not None and not e.on_disk])
+        entries = [self.host.entry(i.hash) for i in q]
+        self._write_down([e for e in entries if e is not None and not e.on_disk])
 
     def _demote(self, infos: Sequence[PageInfo]) -> None:
         self.host.settle(block=False)
@@ -200,21 +268,9 @@ class TierManager:
             self.counters["d2h_pages"] += len(entries)
             self.counters["d2h_bytes"] += sum(e.nbytes for e in entries)
 
-    def _rejected(self, entries: list[HostEntry]) -> None:
-        """Pages a codec refused on the way down (e.g. NaN/Inf under NVFP4): never stored."""
-        if not self.counters["unencodable_pages"]:
-            names = [f"{g.name}: {c.name}" for g, c in zip(self.specs, self.codecs)
-                     if not c.lossless]
-            log.warning("tiers: %d evicted page(s) could not be encoded (%s; NaN/Inf in the KV?) "
-                        "and were not stored; counted in stats()['unencodable_pages'], not logged "
-                        "again", len(entries), ", ".join(names))
-        self.counters["unencodable_pages"] += len(entries)
-        self.counters["d2h_pages"] -= len(entries)
-        self.counters["d2h_bytes"] -= sum(e.nbytes for e in entries)
-
     def drain_host(self) -> int:
-        """Write every host page the disk lacks to disk and empty the host tier (shutdown, or to
-        make a restart find everything). Returns how many host pages were drained."""
+        """Write every host page the lower tiers lack down and empty the host tier (shutdown,
+        or to make a restart find everything). Returns how many host pages were drained."""
         self._flush_write_through()
         self.host.settle()
         victims = self.host.evict_all()
@@ -222,57 +278,66 @@ class TierManager:
         self.host.give_back(v.slot for v in victims)
         return len(victims)
 
+    def write_back(self, pages: Sequence[PageInfo] | None = None) -> int:
+        """Write every device page whose content is final (``pages``, default: the view's
+        ``hashed_pages()``) and every host page down to the lower tiers (disk, remote), keeping
+        them where they are; ``LLM.close()`` calls it so that a restart, or another engine,
+        finds everything. Device pages pass through the host (as evictions do). Returns how
+        many pages some lower tier newly stored; 0 without lower tiers (nothing to do)."""
+        if not self.lower:
+            return 0
+        self._flush_write_through()
+        if pages is None:
+            pages = self.view.hashed_pages() if self.view.hashed_pages is not None else []
+        before = sum(self.counters[f"host_to_{t.name}_pages"] for t in self.lower)
+        self._demote(list(pages))
+        self.host.settle()
+        entries = [self.host.entry(h) for h in self.host.lru()]
+        self._write_down([e for e in entries if e is not None and not e.on_disk])
+        self.flush()
+        return sum(self.counters[f"host_to_{t.name}_pages"] for t in self.lower) - before
+
     def _spill(self, victims: list[HostEntry]) -> None:
-        """Host evictions: write the ones the disk lacks (write-back), then the slots are free."""
+        """Host evictions: write the ones the lower tiers lack (write-back); then their slots
+        may be reused."""
         self.counters["host_evictions"] += len(victims)
         if not victims:
             return
-        if self.disk is None:
+        if not self.lower:
             self.counters["dropped_pages"] += len(victims)
             return
-        have = self.disk.contains([v.info.hash for v in victims])
-        self._to_disk([v for v, h in zip(victims, have) if not h])
+        self._write_down(victims)
 
-    def _to_disk(self, entries: Sequence[HostEntry]) -> None:
-        """Write host entries to disk as records; groups kept raw on the host are encoded with
-        their configured codec here, on the CPU (records always hold that codec's output)."""
-        if not entries:
+    def _write_down(self, entries: Sequence[HostEntry]) -> None:
+        """Write host entries as records to every lower tier that lacks them (one ``exists``
+        and one ``put`` batch per tier); an entry no tier holds afterwards is counted dropped."""
+        if not entries or not self.lower:
             return
-        pages = [list(e.headers) for e in entries]
-        payloads = [[self.host.payload(e, gi).numpy().data for gi in range(len(self.specs))]
-                    for e in entries]
-        jobs = [(j, gi) for j, e in enumerate(entries) for gi in self._disk_coded
-                if e.headers[gi].codec != self.codecs[gi].name]
-        if jobs:
-            t0 = time.perf_counter()
-            encs = self._encode_raw([(entries[j], gi) for j, gi in jobs])
-            self.mover.timings["encode_s"] += time.perf_counter() - t0
-            for (j, gi), enc in zip(jobs, encs):
-                pages[j][gi] = enc
-                payloads[j][gi] = enc.payload.numpy().data
-        items = [(e.info.hash, build_record(e.ns, e.info, self.names, hdrs, pls))
-                 for e, hdrs, pls in zip(entries, pages, payloads)]
-        n = self.disk.put_batch(items)
-        self.counters["dropped_pages"] += len(items) - n
-        stored = items[:n]
-        self.counters["host_to_disk_pages"] += len(stored)
-        self.counters["host_to_disk_bytes"] += sum(sum(len(p) for p in parts) for _, parts in stored)
-        for e in entries[:n]:
-            e.on_disk = True
-
-    def _encode_raw(self, jobs: list[tuple[HostEntry, int]]) -> list[EncodedPage]:
-        """Each ``(entry, group)``'s raw host bytes encoded with the group's configured codec
-        (the encoded payloads are new host tensors: the slots may be reused afterwards). The
-        built-in lossless codec is thread-safe and encodes on a few threads; any other codec
-        page by page."""
-        def one(job: tuple[HostEntry, int]) -> EncodedPage:
-            e, gi = job
-            h = e.headers[gi]
-            raw = self.host.payload(e, gi).view(canonical_dtype(h.dtype)).view(h.shape)
-            return self.codecs[gi].encode(raw)
-        if len(jobs) > 1 and all(type(self.codecs[gi]) is LosslessCodec for _, gi in jobs):
-            return list(_encoder_pool().map(one, jobs))
-        return [one(job) for job in jobs]
+        keys = [e.info.hash for e in entries]
+        held = [0] * len(entries)
+        need: list[list[int]] = []
+        for t in self.lower:
+            have = t.exists(keys)
+            need.append([j for j, h in enumerate(have) if not h])
+            for j, h in enumerate(have):
+                held[j] += bool(h)
+        todo = sorted(set().union(*need))
+        records = dict(zip(todo, self.host.records([entries[j] for j in todo])))
+        for t, js in zip(self.lower, need):
+            if not js:
+                continue
+            ok = t.put([(keys[j], records[j]) for j in js])
+            stored = [j for j, o in zip(js, ok) if o]
+            for j in stored:
+                held[j] += 1
+            self.counters[f"host_to_{t.name}_pages"] += len(stored)
+            self.counters[f"host_to_{t.name}_bytes"] += sum(
+                sum(len(p) for p in records[j]) for j in stored)
+            self.counters[f"{t.name}_put_failures"] += len(js) - len(stored)
+        for e, n in zip(entries, held):
+            e.on_disk = n == len(self.lower)
+            if not n:
+                self.counters["dropped_pages"] += 1
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
@@ -281,43 +346,42 @@ class TierManager:
             raise ValueError(f"namespace differs from the tier manager's: {'; '.join(diffs)}")
 
     def lookup_prefix(self, namespace: Namespace, hashes: Sequence[bytes]) -> int:
-        """Consecutive pages from ``hashes[0]`` found in the host or disk tier (one pass)."""
+        """Consecutive pages from ``hashes[0]`` found in the host or a lower tier (one
+        ``exists`` batch per lower tier)."""
         self._check_ns(namespace)
         self._flush_write_through()
         self.host.settle()
-        n = 0
-        rest: list[bytes] = []
-        for i, h in enumerate(hashes):
-            if self.host.get(h) is None:
-                rest = list(hashes[i:])
-                break
-            n += 1
+        n = leading(self.host.exists(hashes))
         self.counters["host_hits"] += n
+        rest = list(hashes[n:])
         if not rest:
             return n
         self.counters["host_misses"] += 1
-        if self.disk is None:
+        if not self.lower:
             return n
-        # Past the host's run, later pages may sit on either tier: check both, page by page.
-        on_disk = self.disk.contains(rest)
-        for h, d in zip(rest, on_disk):
-            if d:
-                self.counters["disk_hits"] += 1
-            elif self.host.get(h) is not None:
-                self.counters["host_hits"] += 1
-            else:
-                self.counters["disk_misses"] += 1
+        # Past the host's run, later pages may sit on any tier: check each, page by page.
+        flags = [t.exists(rest) for t in self.lower]
+        for j, h in enumerate(rest):
+            where = next((t.name for t, f in zip(self.lower, flags) if f[j]), None)
+            if where is None and self.host.entry(h) is not None:
+                where = "host"
+            if where is None:
+                for t in self.lower:
+                    self.counters[f"{t.name}_misses"] += 1
                 break
+            self.counters[f"{where}_hits"] += 1
             n += 1
         return n
 
     def load_prefix(self, namespace: Namespace, pages: Sequence[PageInfo],
                     page_ids: Sequence[int]) -> int:
-        """Decode ``pages`` into device pages ``page_ids``; returns the verified leading count."""
+        """Decode ``pages`` into device pages ``page_ids``; returns the verified leading count
+        (:attr:`last_load` says how many came from each tier)."""
         self._check_ns(namespace)
         if len(pages) != len(page_ids):
             raise ValueError(f"load_prefix got {len(pages)} pages and {len(page_ids)} page ids")
         self.host.settle()
+        self.last_load = {}
         done = 0
         for k in range(0, len(pages), self.batch):
             chunk = list(pages[k:k + self.batch])
@@ -332,16 +396,19 @@ class TierManager:
         return done
 
     def _stage(self, chunk: list[PageInfo]) -> list[HostEntry]:
-        """Host entries for the leading pages of ``chunk``, reading the missing ones from disk."""
+        """Host entries for the leading pages of ``chunk``, reading the missing ones from the
+        lower tiers."""
         keep = frozenset(i.hash for i in chunk)
         entries: list[HostEntry | None] = []
         for info in chunk:
-            e = self.host.get(info.hash)
+            e = self.host.entry(info.hash)
             entries.append(e if e is not None and e.info.token_ids == tuple(info.token_ids)
                            and e.ns == self.ns_digest else None)
+        lead = leading([e is not None for e in entries])
+        self.last_load["host"] = self.last_load.get("host", 0) + lead
         missing = [j for j, e in enumerate(entries) if e is None]
-        if missing and self.disk is not None:
-            got = self._from_disk([chunk[j] for j in missing], keep)
+        if missing and self.lower:
+            got = self._from_lower([chunk[j] for j in missing], keep)
             for j, e in zip(missing, got):
                 entries[j] = e
         out = []
@@ -352,101 +419,119 @@ class TierManager:
         self.host.touch(e.info.hash for e in out)
         return out
 
-    def _from_disk(self, infos: list[PageInfo], keep: frozenset[bytes]) -> list[HostEntry | None]:
-        """Read, verify and copy records into host slots. Stops at the first miss or bad record."""
+    def _from_lower(self, infos: list[PageInfo], keep: frozenset[bytes]
+                    ) -> list[HostEntry | None]:
+        """Read, verify and copy records into host slots, each from the nearest tier holding
+        it. Stops at the first page no tier holds or whose record fails (deleted there)."""
         slots, victims = self.host.take_slots(len(infos), keep)
         self._spill(victims)
         self.mover.fence_host_writes()
-        out: list[HostEntry | None] = []
-        bad: list[bytes] = []
-        read = 0
-        with self.disk.reader() as get:
-            for info, slot in zip(infos, slots):
-                buf = get(info.hash)
-                if buf is None:
-                    break
-                try:
-                    rec = verify_record(buf, self.ns_digest, info, self.specs, self.codecs,
-                                        self.pool.page_size)
-                    headers, sizes = self._fill_slot(slot, rec.header["groups"], rec.payloads)
-                except CorruptPageError as e:
-                    key = "mismatches" if isinstance(e, RecordMismatch) else "checksum_failures"
-                    self.counters[key] += 1
-                    log.warning("disk tier: page %s is unusable (%s); deleted", info.hash.hex(), e)
-                    bad.append(info.hash)
-                    break
-                read += sum(len(p) for p in rec.payloads)
-                out.append(HostEntry(info, self.ns_digest, slot, headers, sizes, on_disk=True))
+        infos = infos[:len(slots)]
+        found: list[tuple[Tier, Parts] | None] = [None] * len(infos)
+        todo = list(range(len(infos)))
+        for t in self.lower:
+            if not todo:
+                break
+            got = t.get([infos[j].hash for j in todo])
+            todo = [j for j, parts in zip(todo, got) if parts is None
+                    or found.__setitem__(j, (t, parts))]
+        out: list[HostEntry] = []
+        bad: dict[str, list[bytes]] = {}
+        served: dict[str, list[bytes]] = {}
+        for info, slot, hit in zip(infos, slots, found):
+            if hit is None:
+                break
+            t, parts = hit
+            try:
+                rec = verify_record(parts, self.ns_digest, info, self.specs, self.codecs,
+                                    self.view.page_size)
+                e = self.host.fill(slot, info, self.ns_digest, rec)
+            except CorruptPageError as err:
+                key = "mismatches" if isinstance(err, RecordMismatch) else "checksum_failures"
+                self.counters[key] += 1
+                log.warning("%s tier: page %s is unusable (%s); deleted", t.name,
+                            info.hash.hex(), err)
+                bad.setdefault(t.name, []).append(info.hash)
+                break
+            e.on_disk = len(self.lower) == 1
+            out.append(e)
+            served.setdefault(t.name, []).append(info.hash)
+            self.counters[f"{t.name}_to_host_pages"] += 1
+            self.counters[f"{t.name}_to_host_bytes"] += sum(len(p) for p in rec.payloads)
         self.host.give_back(slots[len(out):])
-        self.host.add([e for e in out if e is not None])
-        if bad:
-            self.disk.delete(bad)
-        self.disk.touch([e.info.hash for e in out])
-        self.counters["disk_to_host_pages"] += len(out)
-        self.counters["disk_to_host_bytes"] += read
+        self.host.add(out)
+        for t in self.lower:
+            if t.name in bad:
+                t.delete(bad[t.name])
+            if t.name in served:
+                t.touch(served[t.name])
+                self.last_load[t.name] = self.last_load.get(t.name, 0) + len(served[t.name])
         return out + [None] * (len(infos) - len(out))
-
-    def _fill_slot(self, slot: int, groups: list[dict], payloads: Sequence[memoryview]
-                   ) -> tuple[list[EncodedPage], list[int]]:
-        """Copy a verified record's payloads into host slot ``slot`` in each group's host
-        format: as they are, or decoded to raw bytes (CPU) for groups kept raw on the host.
-        Returns the entry's headers and sizes; raises CorruptPageError if a payload does not
-        decode."""
-        headers, sizes = [], []
-        for gi, (g, p) in enumerate(zip(groups, payloads)):
-            off = self.host.offsets[gi]
-            if gi in self._disk_coded:
-                enc = EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]), g["dtype"],
-                                  torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p)
-                                  else torch.empty(0, dtype=torch.uint8),
-                                  None, dict(g["meta"] or {}))   # payload CRC verified already
-                t0 = time.perf_counter()
-                raw = self.codecs[gi].decode(enc).contiguous().reshape(-1).view(torch.uint8)
-                self.mover.timings["decode_s"] += time.perf_counter() - t0
-                nb = self.host.max_sizes[gi]
-                if raw.numel() != nb:
-                    raise CorruptPageError(f"group {self.names[gi]!r}: decoded page has "
-                                           f"{raw.numel()} bytes, the host slot holds {nb}")
-                self.host.buf[slot, off:off + nb].copy_(raw)
-                headers.append(self.mover.host_header(gi))
-                sizes.append(nb)
-                continue
-            np.copyto(self.host.buf[slot, off:off + len(p)].numpy(),
-                      np.frombuffer(p, dtype=np.uint8))
-            headers.append(EncodedPage(g["codec"], int(g["version"]), tuple(g["shape"]),
-                                       g["dtype"], torch.empty(0, dtype=torch.uint8),
-                                       g["checksum"], dict(g["meta"] or {})))
-            sizes.append(len(p))
-        return headers, sizes
 
     # -- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Counters per tier and direction, codec time, disk errors and evictions.
 
         Host-side byte counts (``host_bytes``, ``d2h_bytes``, ``h2d_bytes``) are the bytes in
-        host slots: raw for groups whose CPU codec runs at the disk boundary (``lossless``);
-        ``host_to_disk_bytes`` / ``disk_to_host_bytes`` are record bytes (encoded). ``encode_s`` /
-        ``decode_s`` include the disk boundary's CPU codec time."""
+        host slots: raw for groups whose CPU codec runs at the boundary to the lower tiers
+        (``lossless``); ``host_to_disk_bytes`` / ``disk_to_host_bytes`` (and ``remote``'s) are
+        record payload bytes (encoded). ``encode_s`` / ``decode_s`` include that boundary's CPU
+        codec time. ``remote_*`` keys (``remote_errors``, ...) are the remote tier's own
+        counters."""
         out = dict(self.counters)
+        hs = self.host.counters()
+        out["unencodable_pages"] = hs["rejected_pages"]
+        out["d2h_pages"] -= hs["rejected_pages"]
+        out["d2h_bytes"] -= hs["rejected_bytes"]
         out.update(self.mover.collect_timings())
-        out["host_pages"] = len(self.host)
-        out["host_bytes"] = self.host.stored_bytes
-        out["host_capacity_bytes"] = self.host.capacity_bytes
-        if self.disk is not None:
+        out["decode_s"] += hs["decode_s"]
+        out["encode_s"] += hs["encode_s"]
+        out["host_pages"] = hs["pages"]
+        out["host_bytes"] = hs["stored_bytes"]
+        out["host_capacity_bytes"] = hs["capacity_bytes"]
+        if isinstance(self.disk, DiskTier):
             d = self.disk.stats
             out.update({"disk_pages": len(self.disk), "disk_bytes": self.disk.stored_bytes(),
                         "disk_evictions": d["evictions"], "disk_write_errors": d["write_errors"],
                         "disk_deleted": d["deleted"]})
+        elif self.disk is not None:
+            out.update({f"disk_{k}": v for k, v in self.disk.counters().items()})
+        if self.remote is not None:
+            out.update({f"remote_{k}": v for k, v in self.remote.counters().items()})
         return out
 
     def close(self) -> None:
-        """Write host pages back to disk (write-back would lose them otherwise), then close it."""
-        if self.disk is not None:
+        """Write host pages down (write-back would lose them otherwise), then close the lower
+        tiers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.lower:
             self.drain_host()
             self.flush()
-            self.disk.close()
+        for t in self.lower:
+            t.close()
 
     def __repr__(self) -> str:
-        disk = os.fspath(self.disk.path) if self.disk is not None else None
+        disk = os.fspath(self.disk.path) if isinstance(self.disk, DiskTier) else self.disk
         return (f"TierManager(host={len(self.host)}/{self.host.num_slots} slots, disk={disk!r}, "
-                f"write_through={self.write_through})")
+                f"remote={self.remote!r}, write_through={self.write_through})")
+
+
+def _remote_from_config(remote, options, ns_digest: bytes) -> Tier | None:
+    """``CacheConfig.tiers['remote']``: a URL (connected now; unreachable: ``None``, logged
+    once) or a Tier."""
+    if remote is None:
+        if options is not None:
+            raise ValueError("CacheConfig.tiers['remote_options'] needs a 'remote' URL")
+        return None
+    if isinstance(remote, str):
+        from .remote import RemoteTier    # redis-py is imported only when a remote is configured
+        return RemoteTier.connect(remote, ns_digest, **dict(options or {}))
+    if options is not None:
+        raise ValueError("CacheConfig.tiers['remote_options'] applies to a URL; a Tier object "
+                         "carries its own options")
+    if not isinstance(remote, Tier):
+        raise ValueError(f"CacheConfig.tiers['remote'] must be a redis:// or rediss:// URL or a "
+                         f"Tier, got {type(remote).__name__}")
+    return remote

@@ -13,7 +13,7 @@ Types::
 
 Every method takes and answers a *batch* (one LMDB transaction, one Redis pipeline, ...), answers
 per key in the order given, and never raises for a storage fault (server gone, I/O error, full
-store): a fault reads as a miss or a failed write and is counted in :meth:`Tier.stats`. Bad
+store): a fault reads as a miss or a failed write and is counted in :meth:`Tier.counters`. Bad
 *arguments* (a wrong key type, a malformed part list) raise ``ValueError`` at once.
 
 Semantics:
@@ -43,8 +43,8 @@ Semantics:
 ``touch(keys) -> None``
     A read-access hint for the tier's own eviction order (LRU); it may be applied lazily or be a
     no-op where the store keeps its own order (Redis).
-``stats() -> dict[str, int | float]``
-    Counters since the tier was opened. Every tier reports at least :data:`COUNTERS`; tiers add
+``counters() -> dict[str, int | float]``
+    A snapshot of the counters since the tier was opened. Every tier reports at least :data:`COUNTERS`; tiers add
     their own keys (``evictions``, ``write_errors``, ...).
 ``close() -> None``
     Flush what is pending and release the tier's resources; idempotent.
@@ -61,7 +61,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 #: One record: ``[head, payload_0, payload_1, ...]`` (head = prefix + header) or ``[record]``.
 Parts = Sequence[Buffer]
 
-#: The counters every tier's ``stats()`` holds (others may follow).
+#: The counters every tier's ``counters()`` holds (others may follow).
 COUNTERS = (
     "hits",            # get: keys answered with a record
     "misses",          # get: keys answered None (absent or a fault)
@@ -95,8 +95,8 @@ class Tier(Protocol):
     def touch(self, keys: Sequence[bytes]) -> None:
         """Read-access hint for the tier's eviction order."""
 
-    def stats(self) -> dict[str, int | float]:
-        """Counters since open (at least :data:`COUNTERS`)."""
+    def counters(self) -> dict[str, int | float]:
+        """A snapshot of the counters since open (at least :data:`COUNTERS`)."""
 
     def close(self) -> None:
         """Flush and release resources (idempotent)."""

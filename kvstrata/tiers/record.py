@@ -28,15 +28,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-import torch
-
-from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage
-
-try:
-    # ISA-L computes the same CRC-32 as zlib, ~4x faster: records stay readable either way.
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - optional accelerator
-    from zlib import crc32 as _crc32
+from ..codecs import ChecksumError, Codec, CorruptPageError, EncodedPage, crc32, get_codec
 from ..dtypes import dtype_name
 from ..pagepool import KVGroupSpec, PageInfo, hash_page
 
@@ -46,13 +38,6 @@ from ..pagepool import KVGroupSpec, PageInfo, hash_page
 FORMAT_VERSION = 3
 MAGIC = b"KVSR"
 _PREFIX = struct.Struct("<4sII")
-
-
-def crc32(data) -> int:
-    """CRC-32 (zlib's polynomial) of a bytes-like object or a CPU uint8 tensor."""
-    if isinstance(data, torch.Tensor):
-        data = data.contiguous().numpy().data
-    return _crc32(data) & 0xFFFFFFFF
 
 
 class RecordMismatch(CorruptPageError):
@@ -77,14 +62,8 @@ class Record:
 
     def encoded(self) -> list[EncodedPage]:
         """One :class:`EncodedPage` per group (payloads still alias the source buffer)."""
-        out = []
-        for g, p in zip(self.header["groups"], self.payloads):
-            # A copy: the source buffer may be read-only (an LMDB map) or short-lived.
-            t = torch.frombuffer(bytearray(p), dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
-            out.append(EncodedPage(codec=g["codec"], version=int(g["version"]),
-                                   shape=tuple(int(s) for s in g["shape"]), dtype=g["dtype"],
-                                   payload=t, checksum=g["checksum"], meta=dict(g["meta"] or {})))
-        return out
+        # from_header copies: the source buffer may be read-only (an LMDB map) or short-lived.
+        return [EncodedPage.from_header(g, p) for g, p in zip(self.header["groups"], self.payloads)]
 
 
 def build_record(ns_digest: bytes, info: PageInfo, names: Sequence[str],
@@ -207,6 +186,25 @@ def check_groups(rec: Record, specs: Sequence[KVGroupSpec], codecs: Sequence[Cod
             raise RecordMismatch(f"group {spec.name!r}: record holds {g.get('dtype')} "
                                  f"{g.get('shape')}, expected {dtype_name(spec.dtype)} "
                                  f"{list(spec.page_shape(page_size))}")
+
+
+def check_stored(rec: Record, key: bytes, ns_digest: bytes | None = None) -> None:
+    """What an offline check (``kvstrata inspect --verify``) can know of a stored record without
+    the page it was asked for: stored under its own hash (and namespace), a valid hash link,
+    payload CRCs, and every group decodes to its shape. Raises a CorruptPageError subclass."""
+    if rec.page_hash != key:
+        raise RecordMismatch("stored under another key than its hash")
+    if ns_digest is not None and rec.header.get("ns") != ns_digest:
+        raise RecordMismatch("stored under another namespace than its own")
+    check_identity(rec, rec.header["ns"], None)
+    check_payloads(rec)
+    for g, enc in zip(rec.header["groups"], rec.encoded()):
+        try:
+            page = get_codec(g["codec"]).decode(enc)
+        except (KeyError, ValueError) as e:
+            raise CorruptPageError(f"group {g['name']!r} does not decode: {e}") from None
+        if tuple(page.shape) != tuple(g["shape"]):
+            raise CorruptPageError(f"group {g['name']!r} decodes to {tuple(page.shape)}")
 
 
 def verify_record(data: bytes | memoryview | Sequence[bytes | memoryview], ns_digest: bytes,

@@ -41,9 +41,8 @@ from typing import Iterator, Sequence
 import torch
 
 from ..codecs import Codec, EncodedPage
-from ..dtypes import dtype_name
-from ..pagepool import PageInfo, PagePool
-from .host import HostEntry, HostTier, host_codec
+from ..pagepool import PageInfo, PoolView
+from .host import HostEntry, HostTier
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -116,17 +115,18 @@ def default_chunk_pages(slot_bytes: int, batch_pages: int) -> int:
 
 
 class Mover:
-    """Encodes/decodes and copies batches of pages between ``pool`` and ``host``.
+    """Encodes/decodes and copies batches of pages between the device pages of ``view`` (a
+    :class:`~kvstrata.pagepool.PoolView`) and ``host``'s slots.
 
     ``codecs`` are the groups' configured codecs; pages move in each group's host format,
     :attr:`host_codecs` (``host_codec`` of each: identity for CPU-only lossless codecs)."""
 
-    def __init__(self, pool: PagePool, host: HostTier, codecs: Sequence[Codec], batch_pages: int,
+    def __init__(self, view: PoolView, host: HostTier, codecs: Sequence[Codec], batch_pages: int,
                  chunk_pages: int | None = None):
-        self.pool, self.host, self.codecs = pool, host, list(codecs)
-        self.host_codecs = [host_codec(c) for c in self.codecs]
-        self.specs = list(pool.groups)
-        self.device = pool.device
+        self.view, self.host, self.codecs = view, host, list(codecs)
+        self.host_codecs = host.host_codecs
+        self.specs = view.specs
+        self.device = view.device
         self.cuda = self.device.type == "cuda"
         self.batch_pages = batch_pages
         if chunk_pages is None:
@@ -141,20 +141,7 @@ class Mover:
         nbuf = 2 if self.chunk_pages < batch_pages else 1
         self._down = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
         self._up = _Pipe(self.device, self.chunk_pages, nbuf, host.slot_bytes, self.cuda)
-        # The header every page of a group with a device batch path gets (payload in the slot).
-        self._row_headers = [
-            EncodedPage(c.name, c.version, tuple(g.page_shape(pool.page_size)),
-                        dtype_name(g.dtype), _EMPTY) if c.rows_path else None
-            for g, c in zip(self.specs, self.host_codecs)]
         self._last_up = None     # event after which no H2D batch reads host slots any more
-
-    def host_header(self, group: int) -> EncodedPage:
-        """The host header of group index ``group`` when its host format has a device batch
-        path (identity, NVFP4; identity for CPU-only lossless codecs); payload empty."""
-        hdr = self._row_headers[group]
-        if hdr is None:
-            raise ValueError(f"group {self.specs[group].name!r} has no fixed host row format")
-        return hdr
 
     @contextmanager
     def _timed(self, key: str, stream=None) -> Iterator[None]:
@@ -259,7 +246,10 @@ class Mover:
         bad = None
         for gi, (spec, codec) in enumerate(zip(self.specs, self.host_codecs)):
             off = self.host.offsets[gi]
-            kv = self.pool.kv[spec.name]
+            kv, src = self.view.page_major(gi), ids
+            if kv is None:           # another engine's layout: gather into canonical pages first
+                kv = self.view.read(gi, ids)
+                src = torch.arange(n, device=self.device)
             if codec.rows_path:
                 nb = self.host.max_sizes[gi]
                 timer = nullcontext() if codec.name == "identity" else self._timed(
@@ -267,17 +257,17 @@ class Mover:
                 rows = (stage[:, off:off + nb] if buf is None
                         else buf[0].view(buf[1], n, (off, off + nb)))
                 with timer:
-                    refused = codec.encode_rows(kv, ids, rows)
+                    refused = codec.encode_rows(kv, src, rows)
                 if refused is not None:
                     refused = refused.reshape(n, -1)
                     bad = refused if bad is None else torch.cat((bad, refused), dim=1)
-                hdr = self._row_headers[gi]
+                hdr = self.host.row_header(gi)
                 for j in range(n):
                     headers[j].append(hdr)
                     sizes[j].append(nb)
                 continue
             with self._timed("encode_s", self._down.work):
-                encs = [codec.encode(kv[i]) for i in ids.tolist()]
+                encs = [codec.encode(kv[i]) for i in src.tolist()]
             for j, enc in enumerate(encs):
                 if enc.nbytes > self.host.max_sizes[gi]:
                     raise ValueError(f"codec {codec.name!r} produced {enc.nbytes} bytes for "
@@ -288,10 +278,9 @@ class Mover:
         return bad
 
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
-        buf = self.host.buf
         for row, slot, k in _runs(slots):
             src = stage if row == 0 and k == stage.shape[0] else stage[row:row + k]
-            buf[slot:slot + k].copy_(src, non_blocking=self.cuda)
+            self.host.rows(slot, k).copy_(src, non_blocking=self.cuda)
 
     # -- host -> device -----------------------------------------------------------------------------
     def up(self, entries: Sequence[HostEntry], page_ids: Sequence[int]):
@@ -314,7 +303,7 @@ class Mover:
                 with _on(p.copy):
                     for row, slot, r in _runs(slots[k:k + m]):
                         dst = stage if row == 0 and r == m else stage[row:row + r]
-                        dst.copy_(self.host.buf[slot:slot + r], non_blocking=self.cuda)
+                        dst.copy_(self.host.rows(slot, r), non_blocking=self.cuda)
                 _after(p.work, _mark(p.copy))
                 self._decode(stage, entries[k:k + m], ids if m == n else ids[k:k + m],
                              page_ids[k:k + m], (p, b))
@@ -332,10 +321,15 @@ class Mover:
         n = len(entries)
         for gi, (spec, codec) in enumerate(zip(self.specs, self.host_codecs)):
             off = self.host.offsets[gi]
-            kv = self.pool.kv[spec.name]
-            shape = spec.page_shape(self.pool.page_size)
+            kv, dst = self.view.page_major(gi), ids
+            if kv is None:           # another engine's layout: decode into canonical pages first
+                kv = torch.empty((n, *spec.page_shape(self.view.page_size)), dtype=spec.dtype,
+                                 device=self.device)
+                dst = torch.arange(n, device=self.device)
+            shape = spec.page_shape(self.view.page_size)
+            done = False
             if codec.rows_path:
-                want = self._row_headers[gi]
+                want = self.host.row_header(gi)
                 nb = self.host.max_sizes[gi]
                 if all(_same_format(e.headers[gi], want) and e.sizes[gi] == nb for e in entries):
                     timer = nullcontext() if codec.name == "identity" else self._timed(
@@ -343,14 +337,17 @@ class Mover:
                     rows = (stage[:n, off:off + nb] if buf is None
                             else buf[0].view(buf[1], n, (off, off + nb)))
                     with timer:
-                        codec.decode_rows(rows, kv, ids)
-                    continue
-            # Host bytes were verified when they arrived: no second checksum pass.
-            with self._timed("decode_s", self._up.work):
-                for j, (e, pid) in enumerate(zip(entries, page_ids)):
-                    enc = replace(e.headers[gi], checksum=None,
-                                  payload=stage[j, off:off + e.sizes[gi]])
-                    kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))
+                        codec.decode_rows(rows, kv, dst)
+                    done = True
+            if not done:
+                # Host bytes were verified when they arrived: no second checksum pass.
+                with self._timed("decode_s", self._up.work):
+                    for j, (e, pid) in enumerate(zip(entries, dst.tolist())):
+                        enc = replace(e.headers[gi], checksum=None,
+                                      payload=stage[j, off:off + e.sizes[gi]])
+                        kv[pid].copy_(codec.decode(enc, self.device).reshape(shape))
+            if dst is not ids:
+                self.view.write(gi, ids, kv)
 
 
 def _same_format(h: EncodedPage, want: EncodedPage) -> bool:

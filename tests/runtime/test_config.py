@@ -18,9 +18,13 @@ def _cache(**kw):
 def test_kv_budget_error_says_what_fits(ckpts):
     # target: 4 layers x 2 x 2 heads x 16 x 4 B = 1 KiB/token; draft: 2 layers -> 512 B/token.
     per_page = (1024 + 512) * 4
-    with pytest.raises(ValueError, match=r"largest max_batch_size that fits is 2; the largest "
-                                         r"max_seq_len at this batch size is 40"):
-        LLM(ckpts["target"][0], ckpts["drafter"][0], _cache(kv_cache_bytes=per_page * 40))
+    # max_seq_len=64 is 16 pages: a pool of 12 cannot hold one sequence.
+    with pytest.raises(ValueError, match=r"one sequence of max_seq_len=64 needs 16 pages .* "
+                                         r"holds 12 pages. The largest max_seq_len that fits is 48"):
+        LLM(ckpts["target"][0], ckpts["drafter"][0], _cache(kv_cache_bytes=per_page * 12))
+    # Below max_batch_size x max_seq_len is fine (admission by need, preemption).
+    small = LLM(ckpts["target"][0], ckpts["drafter"][0], _cache(kv_cache_bytes=per_page * 40))
+    assert small.pool.num_pages == 40
     llm = LLM(ckpts["target"][0], ckpts["drafter"][0], _cache(kv_cache_bytes=per_page * 64))
     assert llm.pool.num_pages == 64 and llm.pool.bytes_per_page == per_page
 
@@ -79,7 +83,7 @@ def test_bad_requests_are_rejected_one_by_one(ckpts):
     assert "empty prompt" in outs[1].error
     assert "[300] are outside the vocabulary [0, 300)" in outs[2].error
     assert "at most 63 prompt tokens fit" in outs[3].error
-    assert "list of token ids" in outs[4].error
+    assert "a text prompt needs a tokenizer" in outs[4].error   # the test pair has none
     assert outs[0].token_ids == outs[5].token_ids and len(outs[0].token_ids) == 4
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate([good], [SamplingParams(), SamplingParams()])

@@ -76,7 +76,8 @@ def test_continuous_batching_with_small_budgets(ckpts):
     for i, o in enumerate(outs):
         ref = outs[i % len(PROMPTS)]
         assert o.token_ids == ref.token_ids
-    assert tight.stats()["engine"]["steps"] > 0
+    # Fewer seats and a small budget take more steps than one sequence alone needs.
+    assert tight.stats()["engine"]["steps"] > max(len(o.acceptance_lengths) for o in outs)
 
 
 def test_arena_baseline_loses_context_after_a_prefix_hit(ckpts):
@@ -91,3 +92,29 @@ def test_arena_baseline_loses_context_after_a_prefix_hit(ckpts):
     assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
     assert all(w.num_cached_tokens > 0 for w, p in zip(warm, PROMPTS) if len(p) > 4)
     assert llm.stats()["pool"]["groups"] == ["target"]   # the arena lives outside the pool
+
+
+def test_arena_loses_acceptance_after_a_prefix_hit_and_paged_does_not():
+    """With the shipped trained pair (whose drafts depend on the context), a warm arena drafts
+    from the uncached tail only and commits fewer tokens per step; the paged backend keeps AL."""
+    from kvstrata.assets.corpus import heldout_prompts
+    prompts = heldout_prompts(4, 256, seed=0)
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def al(outs, steps=None):
+        return sum(sum(o.acceptance_lengths[:steps]) for o in outs) / sum(
+            len(o.acceptance_lengths[:steps]) for o in outs)
+
+    runs = {}
+    for backend in ("arena", "paged"):
+        llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py",
+                  CacheConfig(drafter_backend=backend, max_batch_size=4, max_seq_len=512,
+                              target_codec="identity", draft_codec="identity"))
+        cold, warm = llm.generate(prompts, sp), llm.generate(prompts, sp)
+        assert all(w.num_cached_tokens == 240 for w in warm)
+        assert [w.token_ids for w in warm] == [c.token_ids for c in cold]   # lossless verify
+        runs[backend] = (cold, warm)
+    (ac, aw), (pc, pw) = runs["arena"], runs["paged"]
+    assert [o.acceptance_lengths for o in ac] == [o.acceptance_lengths for o in pc]
+    assert [o.acceptance_lengths for o in pw] == [o.acceptance_lengths for o in pc]
+    assert al(aw) < al(ac) and al(aw, 4) < al(ac, 4)

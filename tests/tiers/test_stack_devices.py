@@ -85,5 +85,5 @@ def test_pages_round_trip_device_host_disk(tmp_path, chunk, device):
     st = tiers.stats()
     assert st["unencodable_pages"] == 1
     h = page_hashes(ns, bad)
-    assert tiers.host.get(h[0]) is None and tiers.host.get(h[1]) is not None
+    assert tiers.host.entry(h[0]) is None and tiers.host.entry(h[1]) is not None
     tiers.close()

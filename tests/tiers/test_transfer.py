@@ -16,7 +16,7 @@ from tierutil import PAGE, Stack
 def _host_bytes(s: Stack, hashes) -> list[bytes]:
     out = []
     for h in hashes:
-        e = s.tiers.host.get(h)
+        e = s.tiers.host.entry(h)
         out.append(b"".join(s.tiers.host.payload(e, gi).numpy().tobytes()
                             for gi in range(len(s.groups))))
     return out
@@ -97,8 +97,8 @@ def test_pipeline_event_order(tmp_path, monkeypatch, direction):
     s.run(tokens)
     s.pool.evict(s.pool.num_cached)
     hashes = page_hashes(s.ns, tokens)
-    entries = [s.tiers.host.get(h) for h in hashes]
-    mover = transfer.Mover(s.pool, s.tiers.host, s.tiers.codecs, batch_pages=9, chunk_pages=2)
+    entries = [s.tiers.host.entry(h) for h in hashes]
+    mover = transfer.Mover(s.tiers.view, s.tiers.host, s.tiers.codecs, batch_pages=9, chunk_pages=2)
     t = _Trace()
     monkeypatch.setattr(transfer, "_on", t.on)
     monkeypatch.setattr(transfer, "_mark", t.mark)
@@ -159,7 +159,7 @@ def test_default_chunk_is_about_16_mib_of_slots():
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_refused_page_flags_line_up_across_chunks(tmp_path, chunk):
     s = Stack(tmp_path, num_pages=8, host_pages=8, disk=False, codecs=("nvfp4", "identity"))
-    mover = transfer.Mover(s.pool, s.tiers.host, s.tiers.codecs, batch_pages=5, chunk_pages=chunk)
+    mover = transfer.Mover(s.tiers.view, s.tiers.host, s.tiers.codecs, batch_pages=5, chunk_pages=chunk)
     infos = [PageInfo(i, bytes([i]) * 16, b"\0" * 16, (i,) * PAGE) for i in range(5)]
     s.pool.kv["target"][:5].normal_()
     s.pool.kv["target"][3, 1, 1, 0, 2, 5] = float("inf")
@@ -184,7 +184,7 @@ def test_lossless_group_moves_raw_like_identity(tmp_path, monkeypatch):
     s.pool.evict(s.pool.num_cached)
     hashes = page_hashes(s.ns, tokens)
     for h in hashes:
-        hdr = s.tiers.host.get(h).headers[1]
+        hdr = s.tiers.host.entry(h).headers[1]
         assert (hdr.codec, hdr.version, hdr.shape, hdr.dtype) == (
             "identity", 1, s.groups[1].page_shape(PAGE), "float32")
     seq = s.run(tokens, check=False)

@@ -1,4 +1,4 @@
-"""Moving a sequence's pages, both layer groups, between two workers over ``torch.distributed``.
+"""Handing a sequence (its tokens and pages, both layer groups) from one worker to another.
 
 The context worker (sender) and the generation worker (receiver) each own a page pool. A handoff:
 
@@ -7,17 +7,17 @@ The context worker (sender) and the generation worker (receiver) each own a page
 2. negotiation (receiver -> sender): the receiver admits the sequence in its own manager, which
    reuses the longest prefix it already holds (device pool, or its tiers), and answers how many
    leading pages it has: those are not sent again;
-3. payload (sender -> receiver): for every group, the missing pages as one contiguous batch
-   ``[n, num_layers, 2, num_kv_heads, page_size, head_dim]`` (raw), plus a CRC32 per group batch on
-   the CPU path; or, with ``encode=True`` (a slow link), every page encoded with its group's codec
-   (``nvfp4`` target pages are lossy, ``lossless`` draft pages bit-exact) as one uint8 batch per
-   group, each page carrying its codec header and CRC32;
-4. the receiver copies the batch into pages it reserved for the sequence and only then commits the
-   tokens (which hashes the full pages and makes them findable).
+3. pages (sender -> receiver): the missing pages move through the tiers' peer path
+   (:class:`~kvstrata.tiers.peer.PeerLink`): the same Mover and records (header, payloads, CRCs)
+   as every tier, raw or, with ``encode=True`` (a slow link), in each group's codec (``nvfp4``
+   target pages are lossy, ``lossless`` draft pages bit-exact); the receiver verifies every
+   record before it decodes it into pages it reserved for the sequence;
+4. the receiver only then commits the tokens (which hashes the full pages and makes them
+   findable).
 
 Pages reserved for a handoff are owned by the new sequence and unhashed until step 4, so a transfer
-that fails or is cut midway (the sender dies, a checksum fails) is undone with ``free``: nothing
-partial is ever visible to other requests.
+that fails or is cut midway (the sender dies, a record fails its check) is undone with ``free``:
+nothing partial is ever visible to other requests.
 
 Gloo carries CPU tensors; NCCL carries CUDA tensors. Messages are msgpack bytes in uint8 tensors.
 """
@@ -25,16 +25,15 @@ Gloo carries CPU tensors; NCCL carries CUDA tensors. Messages are msgpack bytes 
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-import torch
-import torch.distributed as dist
+from ...pagepool import (KVCacheManager, Namespace, PageInfo, PoolView, SequenceState,
+                         hash_page, page_hashes)
+from ...tiers.peer import PageChannel, PeerError, PeerLink
 
-from ...codecs import EncodedPage, get_codec
-from ...pagepool import KVCacheManager, Namespace, SequenceState, page_hashes
+__all__ = ["NamespaceMismatchError", "PageChannel", "TransferError", "TransferStats",
+           "handshake", "peer_link", "recv_sequence", "send_sequence"]
 
 PROTOCOL_VERSION = 1
 
@@ -58,39 +57,6 @@ class TransferStats:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
-
-class PageChannel:
-    """Point-to-point messages and tensors to one peer rank of the default process group."""
-
-    def __init__(self, peer: int, device: torch.device | str | None = None):
-        self.peer = peer
-        if device is None:
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.device = torch.device(device)
-
-    def send_obj(self, obj: Any) -> None:
-        data = msgpack.packb(obj, use_bin_type=True)
-        n = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        dist.send(n, self.peer)
-        if data:
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), self.peer)
-
-    def recv_obj(self) -> Any:
-        n = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(n, self.peer)
-        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
-        if buf.numel():
-            dist.recv(buf, self.peer)
-        return msgpack.unpackb(buf.cpu().numpy().tobytes(), raw=False)
-
-    def send_tensor(self, t: torch.Tensor) -> None:
-        dist.send(t.contiguous().to(self.device), self.peer)
-
-    def recv_tensor(self, shape, dtype) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(t, self.peer)
-        return t
 
 
 def namespace_fields(ns: Namespace) -> dict[str, Any]:
@@ -127,48 +93,40 @@ def handshake(channel: PageChannel, namespace: Namespace, role: str) -> None:
         raise NamespaceMismatchError(f"{role} worker refuses the peer: " + "; ".join(diffs))
 
 
-def _pages_payload(mgr: KVCacheManager, page_ids: list[int]) -> dict[str, torch.Tensor]:
-    idx = torch.as_tensor(page_ids, dtype=torch.long, device=mgr.pool.device)
-    return {name: t.index_select(0, idx) for name, t in mgr.pool.kv.items()}
+def peer_link(mgr: KVCacheManager, encode: bool,
+              links: dict[bool, PeerLink] | None = None) -> PeerLink:
+    """The :class:`PeerLink` over ``mgr``'s pool for a mode, kept in ``links`` (a worker's: a
+    link owns staging buffers) when given."""
+    link = links.get(encode) if links is not None else None
+    if link is None:
+        link = PeerLink(PoolView.of(mgr.pool), mgr.namespace, encode=encode)
+        if links is not None:
+            links[encode] = link
+    return link
 
 
-def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy().data)
-
-
-def _encode_payload(mgr: KVCacheManager, payload: dict[str, torch.Tensor]
-                    ) -> tuple[dict[str, list[dict]], dict[str, torch.Tensor]]:
-    """Encode every page of every group with the group's codec: headers and one uint8 batch each."""
-    headers, blobs = {}, {}
-    for spec in mgr.pool.groups:
-        codec = get_codec(spec.codec)
-        pages = [codec.encode(p).to_host() for p in payload[spec.name]]
-        headers[spec.name] = [e.header() for e in pages]
-        blobs[spec.name] = torch.cat([e.payload for e in pages])
-    return headers, blobs
-
-
-def _decode_payload(mgr: KVCacheManager, headers: dict[str, list[dict]],
-                    blobs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for spec in mgr.pool.groups:
-        codec, flat, at, pages = get_codec(spec.codec), blobs[spec.name].cpu(), 0, []
-        for h in headers[spec.name]:
-            n = int(h["nbytes"])
-            # decode() checks the codec name/version and the page's CRC32: a damaged page raises.
-            pages.append(codec.decode(EncodedPage.from_header(h, flat[at:at + n]),
-                                      device=mgr.pool.device))
-            at += n
-        out[spec.name] = torch.stack(pages)
+def _page_infos(page_ids, token_ids, hashes, root: bytes, first: int, n_pages: int,
+                page_size: int) -> list[PageInfo]:
+    """PageInfo of pages ``first .. n_pages-1`` of a sequence: full pages carry their chain
+    hash; a partial last page the key ``H(parent || its tokens)``, which no full page can have."""
+    out = []
+    for i in range(first, n_pages):
+        parent = hashes[i - 1] if i else root
+        tokens = tuple(token_ids[i * page_size:(i + 1) * page_size])
+        h = hashes[i] if i < len(hashes) else hash_page(parent, tokens)
+        out.append(PageInfo(page_ids[i], h, parent, tokens))
     return out
 
 
-def send_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object,
-                  extra: dict[str, Any] | None = None, encode: bool = False) -> TransferStats:
+def send_sequence(channel, mgr: KVCacheManager, seq_id: object,
+                  extra: dict[str, Any] | None = None, encode: bool = False,
+                  links: dict[bool, PeerLink] | None = None) -> TransferStats:
     """Hand sequence ``seq_id`` (its committed tokens and pages) to the peer.
 
     ``encode``: send every page encoded with its group's codec (fewer bytes on a slow link; a
     lossy target codec makes the receiver's target K/V approximate, draft pages stay bit-exact).
+    ``links``: the worker's :class:`PeerLink` per mode (:func:`peer_link`; made per call when
+    ``None``).
     """
     t0 = time.perf_counter()
     seq = mgr.seqs[seq_id]
@@ -176,27 +134,26 @@ def send_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object,
     n_pages = -(-seq.num_tokens // P)
     channel.send_obj({"seq_id": str(seq_id), "token_ids": seq.token_ids,
                       "cache_salt": seq.namespace.cache_salt, "num_pages": n_pages,
-                      "hashes": [h for h in seq.hashes], "extra": extra or {}})
+                      "hashes": [h for h in seq.hashes], "encoded": bool(encode),
+                      "extra": extra or {}})
     reply = channel.recv_obj()
     if not reply.get("ok", False):
         raise TransferError(f"receiver refused {seq_id!r}: {reply.get('error')}")
     have = int(reply["have_pages"])
-    missing = seq.page_ids[have:n_pages]
-    stats = TransferStats(pages_total=n_pages, pages_sent=len(missing), pages_skipped=have)
-    if missing:
-        payload = _pages_payload(mgr, missing)
-        checks, headers = {}, None
-        if encode:
-            tail = seq.num_tokens - (n_pages - 1) * P
-            for t in payload.values():   # a copy: slots past the length may hold NaN garbage
-                t[-1, :, :, :, tail:] = 0
-            headers, payload = _encode_payload(mgr, payload)
-        elif channel.device.type == "cpu":
-            checks = {name: _crc(t.cpu()) for name, t in payload.items()}
-        channel.send_obj({"checksums": checks, "encoded": headers})
-        for name in mgr.pool.kv:
-            channel.send_tensor(payload[name])
-            stats.bytes += payload[name].numel() * payload[name].element_size()
+    stats = TransferStats(pages_total=n_pages, pages_sent=n_pages - have, pages_skipped=have)
+    if have < n_pages:
+        link = peer_link(mgr, encode, links)
+        infos = _page_infos(seq.page_ids, seq.token_ids, seq.hashes, seq.namespace.digest, have,
+                            n_pages, P)
+        tail = seq.num_tokens - (n_pages - 1) * P
+        if encode and tail < P:
+            # Slots past the length may hold garbage (NaN) a lossy codec refuses; they carry no
+            # data (attention stops at the length), so the partial page is zeroed there first.
+            _zero_tail(link.view, infos[-1].page_id, tail)
+        try:
+            stats.bytes = link.send(channel, infos)
+        except PeerError as e:
+            raise TransferError(f"cannot send {seq_id!r}: {e}") from e
     done = channel.recv_obj()
     if not done.get("ok", False):
         raise TransferError(f"receiver failed to store {seq_id!r}: {done.get('error')}")
@@ -204,7 +161,17 @@ def send_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object,
     return stats
 
 
-def recv_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object | None = None
+def _zero_tail(view: PoolView, page_id: int, tail: int) -> None:
+    import torch
+    ids = torch.tensor([page_id], device=view.device)
+    for gi in range(len(view.groups)):
+        page = view.read(gi, ids)
+        page[..., tail:, :] = 0
+        view.write(gi, ids, page)
+
+
+def recv_sequence(channel, mgr: KVCacheManager, seq_id: object | None = None,
+                  links: dict[bool, PeerLink] | None = None
                   ) -> tuple[SequenceState, dict[str, Any], TransferStats]:
     """Receive one handed-over sequence into ``mgr``'s pool.
 
@@ -229,7 +196,8 @@ def recv_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object | No
         # Both sides hash the same tokens under their own namespace: a difference means the
         # namespaces drifted after the handshake, and nothing may be stored.
         ns = mgr.namespace_for(header.get("cache_salt"))
-        if page_hashes(ns, tokens) != [bytes(h) for h in header["hashes"]]:
+        hashes = page_hashes(ns, tokens)
+        if hashes != [bytes(h) for h in header["hashes"]]:
             raise ValueError("page hashes differ between the workers (namespace drift)")
         # Reuse every full page we already hold (max_cached_tokens = all full pages).
         seq = mgr.admit(sid, tokens, cache_salt=header.get("cache_salt"),
@@ -246,25 +214,9 @@ def recv_sequence(channel: PageChannel, mgr: KVCacheManager, seq_id: object | No
     try:
         channel.send_obj({"ok": True, "have_pages": have})
         if have < n_pages:
-            meta = channel.recv_obj()
-            missing = seq.page_ids[have:n_pages]
-            idx = torch.as_tensor(missing, dtype=torch.long, device=mgr.pool.device)
-            staged, headers = {}, meta.get("encoded")
-            for name, t in mgr.pool.kv.items():
-                if headers:
-                    size = sum(int(h["nbytes"]) for h in headers[name])
-                    staged[name] = channel.recv_tensor((size,), torch.uint8)
-                else:
-                    staged[name] = channel.recv_tensor((len(missing), *t.shape[1:]), t.dtype)
-                stats.bytes += staged[name].numel() * staged[name].element_size()
-            if headers:
-                staged = _decode_payload(mgr, headers, staged)
-            for name, want in meta.get("checksums", {}).items():
-                got = _crc(staged[name].cpu())
-                if got != want:
-                    raise TransferError(f"group {name!r}: payload CRC {got:#010x} != {want:#010x}")
-            for name, t in mgr.pool.kv.items():
-                t.index_copy_(0, idx, staged[name].to(t.device))
+            link = peer_link(mgr, bool(header.get("encoded", False)), links)
+            infos = _page_infos(seq.page_ids, tokens, hashes, ns.digest, have, n_pages, P)
+            stats.bytes = link.recv(channel, infos, seq.page_ids[have:n_pages])
         # Only now, with every byte in place, do the pages get hashed and become findable.
         mgr.commit(sid, tokens[seq.num_tokens:])
         channel.send_obj({"ok": True})

@@ -142,6 +142,7 @@ class ContextWorker:
         self.transfers: list[TransferStats] = []
         self.failed: dict[int, str] = {}
         self._slow = encode == "always"
+        self._links: dict = {}       # PeerLink per mode (staging buffers kept across handoffs)
 
     def connect(self) -> None:
         """Agree on the namespace with the peer (raises :class:`NamespaceMismatchError`)."""
@@ -169,7 +170,7 @@ class ContextWorker:
             self.channel.send_obj({"op": "handoff", "rid": r.rid})
             try:
                 stats = send_sequence(self.channel, self.llm.mgr, r.rid_key, extra=state,
-                                      encode=self._slow)
+                                      encode=self._slow, links=self._links)
             except TransferError as e:   # refused or not stored: both sides are still in step
                 err = str(e)
                 continue
@@ -187,6 +188,7 @@ class GenerationWorker:
 
     def __init__(self, llm: LLM, channel):
         self.llm, self.channel = llm, channel
+        self._links: dict = {}       # PeerLink per mode (staging buffers kept across handoffs)
         self.transfers: list[TransferStats] = []
         self.errors: list[str] = []
         self._info: dict[int, dict[str, float]] = {}
@@ -215,7 +217,8 @@ class GenerationWorker:
                                                   finish_reason="failed", error=msg["error"])
             elif op == "handoff":
                 try:
-                    seq, state, stats = recv_sequence(self.channel, self.llm.mgr)
+                    seq, state, stats = recv_sequence(self.channel, self.llm.mgr,
+                                                      links=self._links)
                 except TransferError as e:
                     # The pool is unchanged; the sender retries or gives up ("failed").
                     self.errors.append(f"request {msg.get('rid')}: {e}")

@@ -129,13 +129,13 @@ def test_unencodable_page_is_not_stored_and_the_rest_of_its_batch_is(tmp_path, c
     seq = s.run(prompt, check=False)
     bad = seq.page_ids[1]
     s.pool.kv["target"][bad, 0, 0, 0, 0, 3] = float("nan")
-    with caplog.at_level("WARNING", logger="kvstrata.tiers.manager"):
+    with caplog.at_level("WARNING", logger="kvstrata.tiers.host"):
         s.pool.evict(8)
         st = s.tiers.stats()
     assert st["unencodable_pages"] == 1 and st["d2h_pages"] == 2 and st["host_pages"] == 2
     assert [r.message for r in caplog.records if "could not be encoded" in r.message]
     hashes = page_hashes(s.ns, prompt)
-    assert s.tiers.host.get(hashes[1]) is None
+    assert s.tiers.host.entry(hashes[1]) is None
     assert s.tiers.lookup_prefix(s.ns, hashes) == 1      # page 0 only: page 1 is missing
     assert len(s.tiers.host._free) == 8 - 2                # the refused page's slot is free
 
@@ -188,7 +188,7 @@ def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tm
     assert st["d2h_pages"] == 9 and st["host_evictions"] == 7 and st["host_to_disk_pages"] == 7
     assert len(encodes) == 7                         # one per page spilled, none on the way down
     for h in s.tiers.host.lru():                     # the host keeps the draft group raw
-        e = s.tiers.host.get(h)
+        e = s.tiers.host.entry(h)
         assert (e.headers[1].codec, e.sizes[1]) == ("identity", draft.bytes_per_page(PAGE))
         raw = s.tiers.host.payload(e, 1).view(draft.dtype).view(draft.page_shape(PAGE))
         assert torch.equal(raw, s.expected(h, draft))
@@ -213,5 +213,5 @@ def test_lossless_group_stays_raw_on_host_and_is_encoded_at_the_disk_boundary(tm
     st = s.tiers.stats()
     assert st["disk_to_host_pages"] >= 3 and st["checksum_failures"] == st["mismatches"] == 0
     for h in s.tiers.host.lru():
-        assert s.tiers.host.get(h).headers[1].codec == "identity"
+        assert s.tiers.host.entry(h).headers[1].codec == "identity"
     s.tiers.close()
