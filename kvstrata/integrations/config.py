@@ -25,10 +25,9 @@ import threading
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..codecs import available_codecs
+from ..codecs import available_codecs, get_codec
 from ..pagepool import Namespace
-from ..tiers import DiskTier
-from ..tiers.protocol import Tier, check_key, new_counters, record_nbytes
+from ..tiers import DiskTier, HostTier, Tier
 from .store import PageStore
 
 log = logging.getLogger(__name__)
@@ -54,10 +53,9 @@ class StoreConfig:
         if self.disk_path is not None and self.disk_bytes < (1 << 20):
             raise ValueError(f"kvstrata: disk_bytes={self.disk_bytes} is below 1 MiB; give the "
                              f"disk tier room for at least a few pages")
-        if self.remote_url is not None and not str(self.remote_url).startswith(("redis://",
-                                                                                 "rediss://")):
-            raise ValueError(f"kvstrata: remote_url must be redis://host:port/db or rediss://..., "
-                             f"got {self.remote_url!r}")
+        if self.remote_url is not None:
+            from ..tiers.remote import check_url
+            check_url(self.remote_url)
         if self.codec not in available_codecs():
             raise ValueError(f"kvstrata: codec {self.codec!r} is unknown; use one of "
                              f"{available_codecs()}")
@@ -89,18 +87,22 @@ class StoreConfig:
 
 
 def open_tiers(cfg: StoreConfig, namespace: Namespace) -> list[Tier]:
-    """The configured tiers, fastest first."""
-    if cfg.host_bytes:
-        raise NotImplementedError(
-            "kvstrata: host_bytes: the host tier does not implement the Tier protocol on this "
-            "branch yet (issue 15); use disk_path and/or remote_url")
-    if cfg.remote_url is not None:
-        raise NotImplementedError(
-            "kvstrata: remote_url: the remote tier (issue 15) is not on this branch yet")
+    """The configured tiers, fastest first. A remote server that cannot be reached now is left
+    out (said once in the log): the engine runs on the other tiers, or none."""
     tiers: list[Tier] = []
     try:
+        if cfg.host_bytes:
+            specs = list(namespace.groups)
+            tiers.append(HostTier(specs, [get_codec(g.codec) for g in specs],
+                                  namespace.page_size, cfg.host_bytes))
         if cfg.disk_path is not None:
             tiers.append(_open_disk(cfg))
+        if cfg.remote_url is not None:
+            from ..tiers.remote import RemoteTier    # redis-py only when a remote is configured
+            remote = RemoteTier.connect(cfg.remote_url, namespace.with_salt(None).digest,
+                                        prefix=cfg.remote_prefix)
+            if remote is not None:
+                tiers.append(remote)
     except BaseException:
         for t in tiers:
             t.close()
@@ -108,78 +110,18 @@ def open_tiers(cfg: StoreConfig, namespace: Namespace) -> list[Tier]:
     return tiers
 
 
-def _open_disk(cfg: StoreConfig) -> Tier:
+def _open_disk(cfg: StoreConfig) -> DiskTier:
     path = os.path.abspath(cfg.disk_path)
     try:
         # the map is address space, not disk: LMDB wants room for copy-on-write
-        disk = DiskTier(path, map_size=2 * cfg.disk_bytes,
-                        capacity_bytes=cfg.disk_bytes)
+        return DiskTier(path, map_size=2 * cfg.disk_bytes, capacity_bytes=cfg.disk_bytes)
     except ValueError as e:
         if "another DiskTier" not in str(e):
             raise
-        # One writer per disk tier: a second engine on this machine reads what the first wrote.
-        log.warning("kvstrata: disk tier %s has another writer; this process opens it "
-                    "read-only (hits are served, new pages are not written there)", path)
-        disk = DiskTier(path, readonly=True)
-    return disk if isinstance(disk, Tier) else _DiskRecords(disk)
-
-
-class _DiskRecords:
-    """The Tier protocol over a :class:`DiskTier` that does not implement it yet.
-
-    TODO(issue 15): DiskTier implements ``exists/get/put`` itself; then this adapter goes.
-    """
-
-    name = "disk"
-
-    def __init__(self, disk: DiskTier):
-        self.disk = disk
-        self._counters = new_counters()
-
-    def exists(self, keys):
-        return self.disk.contains([check_key(k) for k in keys])
-
-    def get(self, keys):
-        keys = [check_key(k) for k in keys]
-        out = []
-        with self.disk.reader() as get:
-            for k in keys:
-                parts = get(k)
-                # the views live only inside the read transaction: copy what leaves it
-                out.append(None if parts is None else [bytes(p) for p in parts])
-        hits = [p for p in out if p is not None]
-        self._counters["hits"] += len(hits)
-        self._counters["misses"] += len(out) - len(hits)
-        self._counters["read_bytes"] += sum(record_nbytes(p) for p in hits)
-        return out
-
-    def put(self, items):
-        items = [(check_key(k), parts) for k, parts in items]
-        if self.disk.readonly:
-            self._counters["put_failures"] += len(items)
-            return [False] * len(items)
-        self.disk.put_batch(items)
-        ok = self.disk.contains([k for k, _ in items])
-        n = sum(ok)
-        self._counters["puts"] += n
-        self._counters["put_failures"] += len(items) - n
-        self._counters["written_bytes"] += sum(record_nbytes(p) for (_, p), o in zip(items, ok)
-                                               if o)
-        return ok
-
-    def delete(self, keys):
-        n = self.disk.delete([check_key(k) for k in keys])
-        self._counters["deletes"] += n
-        return n
-
-    def touch(self, keys):
-        self.disk.touch([check_key(k) for k in keys])
-
-    def stats(self):
-        return dict(self._counters)
-
-    def close(self):
-        self.disk.close()
+    # One writer per disk tier: a second engine on this machine reads what the first wrote.
+    log.warning("kvstrata: disk tier %s has another writer; this process opens it read-only "
+                "(hits are served, new pages are not written there)", path)
+    return DiskTier(path, readonly=True)
 
 
 # An engine's scheduler-side and worker-side objects live in one process for a single-device

@@ -31,6 +31,7 @@ import torch
 
 from ..codecs import CorruptPageError, UnencodablePageError, get_codec
 from ..pagepool import Namespace, PageInfo, PoolView
+from ..tiers import HostTier
 from ..tiers.protocol import Tier, leading
 from ..tiers.record import build_record, verify_record
 
@@ -48,16 +49,15 @@ class PageStore:
         namespace: what the pages' bytes depend on (models, groups with their codecs, page size);
             its ``cache_salt`` is ignored here: callers hash each request under
             ``namespace.with_salt(request_salt)``.
-        tiers: the tiers, fastest first (e.g. host, disk, remote). At least one.
+        tiers: the tiers, fastest first (e.g. host, disk, remote). None at all is allowed (a
+            remote tier that could not be reached): every lookup then misses.
     """
 
     def __init__(self, namespace: Namespace, tiers: Sequence[Tier]):
-        if not tiers:
-            raise ValueError("PageStore needs at least one tier (host, disk or remote)")
         for t in tiers:
             if not isinstance(t, Tier):
                 raise ValueError(f"{type(t).__name__} does not implement the Tier protocol "
-                                 f"(exists/get/put/delete/touch/stats/close)")
+                                 f"(exists/get/put/delete/touch/counters/close)")
         self.namespace = namespace.with_salt(None)
         self.ns_digest = self.namespace.digest
         self.specs = list(self.namespace.groups)
@@ -152,14 +152,16 @@ class PageStore:
             if not todo:
                 break
             got = t.get([infos[i].hash for i in todo])
+            # the host tier keeps a CPU-only lossless group raw: its records say identity
+            codecs = t.host_codecs if isinstance(t, HostTier) else self.codecs
             bad = []
             for i, parts in zip(todo, got):
                 if parts is None:
                     continue
                 try:
-                    rec = verify_record(parts, self.ns_digest, infos[i], self.specs,
-                                        self.codecs, self.page_size)
-                    found[i] = [c.decode(e) for c, e in zip(self.codecs, rec.encoded())]
+                    rec = verify_record(parts, self.ns_digest, infos[i], self.specs, codecs,
+                                        self.page_size)
+                    found[i] = [c.decode(e) for c, e in zip(codecs, rec.encoded())]
                 except CorruptPageError as e:
                     self.counters["corrupt_records"] += 1
                     log.warning("kvstrata: %s tier record %s failed verification (%s); "
@@ -194,7 +196,7 @@ class PageStore:
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"store": dict(self.counters), **{t.name: t.stats() for t in self.tiers}}
+        return {"store": dict(self.counters), **{t.name: t.counters() for t in self.tiers}}
 
     def close(self) -> None:
         for t in self.tiers:

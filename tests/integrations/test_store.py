@@ -140,10 +140,68 @@ def test_acquire_shares_one_store_per_config(tmp_path):
 @pytest.mark.parametrize("bad, match", [
     ({}, "no tier configured"),
     ({"disk_path": "/x", "codec": "gzip"}, "codec 'gzip' is unknown"),
-    ({"disk_path": "/x", "remote_url": "http://h"}, "remote_url must be redis"),
+    ({"disk_path": "/x", "remote_url": "http://h"}, "must be redis://"),
     ({"disk_path": "/x", "disk_bytes": -1}, "disk_bytes must be"),
     ({"disk_path": "/x", "dsk": 1}, "unknown option"),
 ])
 def test_config_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         StoreConfig.from_dict(bad)
+
+
+def test_host_tier_in_front_of_disk(tmp_path):
+    """The host tier holds a lossless group raw (identity records); reads from it verify and
+    decode like any tier's, and a page found only on disk is promoted into it."""
+    cfg = dict(disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20, host_bytes=4 << 20)
+    store = PageStore(NS, open_tiers(StoreConfig(**cfg), NS))
+    src = view(3, seed=6)
+    pages = infos(NS, TOKENS)[:3]
+    assert store.save(src, [0, 1, 2], pages) == [True] * 3
+    host, disk = store.tiers
+    assert host.name == "host" and host.exists([p.hash for p in pages]) == [True] * 3
+    dst = view(3)
+    assert store.load(dst, [0, 1, 2], pages) == 3
+    assert torch.equal(dst.read(1, torch.arange(3)), src.read(1, torch.arange(3)))
+    assert store.counters["corrupt_records"] == 0 and disk.counters()["hits"] == 0
+    # a new process: empty host, same disk
+    store.close()
+    again = PageStore(NS, open_tiers(StoreConfig(**cfg), NS))
+    assert again.load(view(3), [0, 1, 2], pages) == 3
+    assert again.counters["promoted_pages"] == 3
+    assert again.tiers[0].exists([p.hash for p in pages]) == [True] * 3
+    again.close()
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    from kvstrata.testing.redis import RedisServer
+    with RedisServer() as s:
+        yield s.url
+
+
+def test_two_engines_share_pages_through_the_remote_tier(redis_url):
+    ns = Namespace("model-r", GROUPS, P)
+    a = PageStore(ns, open_tiers(StoreConfig(remote_url=redis_url), ns))
+    b = PageStore(ns, open_tiers(StoreConfig(remote_url=redis_url), ns))
+    src = view(2, seed=7)
+    pages = infos(ns, TOKENS)[:2]
+    assert a.save(src, [0, 1], pages) == [True, True]
+    assert b.lookup([p.hash for p in pages]) == 2
+    dst = view(2)
+    assert b.load(dst, [0, 1], pages) == 2
+    assert torch.equal(dst.read(1, torch.arange(2)), src.read(1, torch.arange(2)))
+    other = Namespace("model-s", GROUPS, P)
+    c = PageStore(other, open_tiers(StoreConfig(remote_url=redis_url), other))
+    assert c.lookup([p.hash for p in infos(other, TOKENS)[:2]]) == 0
+    for s in (a, b, c):
+        s.close()
+
+
+def test_an_unreachable_remote_leaves_no_tier(caplog):
+    from kvstrata.testing.redis import free_port
+    ns = Namespace("model-u", GROUPS, P)
+    tiers = open_tiers(StoreConfig(remote_url=f"redis://127.0.0.1:{free_port()}/0"), ns)
+    assert tiers == []
+    store = PageStore(ns, tiers)
+    pages = infos(ns, TOKENS)[:1]
+    assert store.lookup([pages[0].hash]) == 0 and store.save(view(1, seed=8), [0], pages) == [False]
