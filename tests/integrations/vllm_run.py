@@ -3,10 +3,12 @@
 As a module: :func:`make_llm` builds the engine in this process and :func:`generate` runs greedy
 generations. As a script (a *new process*)::
 
-    python vllm_run.py '{"extra": {...}, "prompts": [[...]], "salts": [null], "max_tokens": 24}'
+    python vllm_run.py '{"extra": {...}, "prompts": [[...]], "salts": [null], "max_tokens": 24,
+                         "runs": 1}'
 
-prints one JSON line ``{"tokens": [[...]], "cached": [n, ...]}`` (``cached``: vLLM's own
-``RequestOutput.num_cached_tokens``).
+runs the prompts ``runs`` times and prints one JSON line ``{"runs": [{"tokens": [[...]],
+"cached": [n, ...], "stats": {...}}, ...]}`` (``cached``: vLLM's own
+``RequestOutput.num_cached_tokens``; ``stats``: the connector's store counters after the run).
 
 Engine settings the tests rely on: prefix caching off (so a second run of a prompt can only get
 its prefix from the connector), block size 32 (vLLM's CPU attention takes multiples of 32), the
@@ -74,6 +76,10 @@ def connector():
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
     llm = make_llm(args["extra"])
-    tokens, cached = generate(llm, args["prompts"], args.get("salts"), args.get("max_tokens", 24))
-    print(json.dumps({"tokens": tokens, "cached": cached,
-                      "stats": connector().stats()["store"]}), flush=True)
+    runs = []
+    for _ in range(args.get("runs", 1)):
+        tokens, cached = generate(llm, args["prompts"], args.get("salts"),
+                                  args.get("max_tokens", 24))
+        runs.append({"tokens": tokens, "cached": cached,
+                     "stats": dict(connector().stats()["store"])})
+    print(json.dumps({"runs": runs}), flush=True)
