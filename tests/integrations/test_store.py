@@ -205,3 +205,16 @@ def test_an_unreachable_remote_leaves_no_tier(caplog):
     store = PageStore(ns, tiers)
     pages = infos(ns, TOKENS)[:1]
     assert store.lookup([pages[0].hash]) == 0 and store.save(view(1, seed=8), [0], pages) == [False]
+
+
+def test_a_tier_that_fails_to_open_releases_the_ones_before_it(tmp_path):
+    """The remote tier refuses its prefix after the disk tier was opened: the disk tier is
+    closed again (its writer lock released) and no store is left registered."""
+    from kvstrata.integrations import config
+    from kvstrata.tiers import DiskTier
+    cfg = StoreConfig(disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      remote_url="redis://127.0.0.1:1/0", remote_prefix="a:b")
+    with pytest.raises(ValueError, match="prefix"):
+        acquire_store(cfg, NS)
+    assert not config._stores
+    DiskTier(tmp_path / "d", map_size=32 << 20, capacity_bytes=16 << 20).close()   # not locked

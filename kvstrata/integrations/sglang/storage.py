@@ -88,8 +88,7 @@ class KVStrataHiCacheStorage(HiCacheStorage):
         self._flat_shape = shape_of(spec.num_layers, self.page_size, spec.num_kv_heads,
                                     spec.head_dim)
         self._inv = tuple(self._perm.index(i) for i in range(5))
-        if self.store is not None:
-            release_store(self.store)
+        self.close()
         self.store = acquire_store(self.config, self.namespace)
         self.mem_pool_host = mem_pool_host
 
