@@ -55,7 +55,7 @@ def build_models(p: dict, device, dtype, target_layers=None, agree=0.0, seed=0):
         vocab_size=p["vocab"], max_position_embeddings=16384, block_size=p["block"],
         num_target_layers=tl,
         dflash_config={"mask_token_id": p["vocab"] - 1, "target_layer_ids": taps}))
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)   # on the device: 8B in seconds
     with torch.device(device):
         target = Qwen3Model(tcfg).to(dtype)
         drafter = DFlashDrafter(dcfg).to(dtype)
@@ -65,7 +65,7 @@ def build_models(p: dict, device, dtype, target_layers=None, agree=0.0, seed=0):
                 if n.endswith("norm.weight"):
                     w.fill_(1.0)
                 else:
-                    w.copy_((torch.randn(w.shape, generator=g) * 0.05).to(w))
+                    w.normal_(0, 0.05, generator=g)
         m.eval().requires_grad_(False)
     if agree:   # see tests/runtime/tiny_dflash.py: a shared bias direction -> frequent agreement
         with torch.no_grad():

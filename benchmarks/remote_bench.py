@@ -37,8 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstrata.codecs import get_codec, synthetic_kv  # noqa: E402
-from kvstrata.pagepool import KVGroupSpec, Namespace, PageInfo, PagePool, hash_page  # noqa: E402
+from kvstrata.pagepool import KVGroupSpec, Namespace, PagePool  # noqa: E402
 from kvstrata.testing.redis import RedisServer  # noqa: E402
+from kvstrata.testing.tiers import chain  # noqa: E402
 from kvstrata.tiers import TierManager  # noqa: E402
 from kvstrata.tiers.record import build_record, verify_record  # noqa: E402
 from kvstrata.tiers.remote import RemoteTier  # noqa: E402
@@ -49,16 +50,6 @@ P = 16
 def groups(target_codec: str, draft_codec: str) -> list[KVGroupSpec]:
     return [KVGroupSpec("target", 36, 8, 128, torch.bfloat16, target_codec),
             KVGroupSpec("draft", 5, 8, 128, torch.bfloat16, draft_codec)]
-
-
-def infos_for(ns: Namespace, n: int) -> list[PageInfo]:
-    out, parent = [], ns.digest
-    for i in range(n):
-        toks = tuple(range(i * P, (i + 1) * P))
-        h = hash_page(parent, toks)
-        out.append(PageInfo(i, h, parent, toks))
-        parent = h
-    return out
 
 
 def encoded_pages(gs: list[KVGroupSpec]) -> list:
@@ -74,7 +65,7 @@ def bench(url: str, codecs: tuple[str, str], pages: int, batch: int, reps: int) 
     import redis
     gs = groups(*codecs)
     ns = Namespace("bench", gs, P)
-    infos = infos_for(ns, pages)
+    infos = chain(ns, pages, P)
     encs = encoded_pages(gs)
     payloads = [e.payload.numpy().data for e in encs]
     names = [g.name for g in gs]
@@ -145,7 +136,7 @@ def bench(url: str, codecs: tuple[str, str], pages: int, batch: int, reps: int) 
 def lookup(url: str, reps: int, tokens: int = 32768) -> dict:
     gs = groups("nvfp4", "lossless")
     ns = Namespace("bench", gs, P)
-    infos = infos_for(ns, tokens // P)
+    infos = chain(ns, tokens // P, P)
     tier = RemoteTier(url, ns.digest)
     # The values do not matter to a lookup (EXISTS); small ones keep the server's memory low.
     if not all(tier.put([(i.hash, [b"x"]) for i in infos])):

@@ -1,4 +1,4 @@
-"""``kvstrata inspect redis://HOST:PORT/DB[?prefix=NAME] [--list | --page HASH | --verify] [--json]``.
+"""``kvstrata inspect redis://HOST:PORT/DB[?prefix=NAME] [--list [N] | --page HASH | --verify] [--json]``.
 
 Lists and verifies the page records of a remote tier (a Redis server or Cluster) like a disk
 tier's: a summary (keys, memory, eviction policy, namespaces, groups and codecs), one row per
@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.tiers.remote import RemoteTier, RemoteUnavailable
 
     console = Console()
+    if getattr(args, "repair", False):
+        console.print("[red]kvstrata inspect: --repair rebuilds a disk tier's index; a remote "
+                      "tier has none (delete bad records with --verify's list)[/red]")
+        return 2
     url, prefix = _split(args.path)
     try:
         tier = RemoteTier(url, None, prefix=prefix)
@@ -123,10 +127,12 @@ def run(args: argparse.Namespace) -> int:
             else:
                 console.print(f"all {doc['pages']} pages verify")
             return 1 if failures else 0
-        if args.list:
+        if args.list is not None and args.list is not False:
             docs = [{"hash": h.hex(), "namespace": ns.hex()[:12], "created": r.header.get("created"),
                      "bytes": n, "codecs": ",".join(g["codec"] for g in r.header["groups"])}
                     for ns, h, r, n in sorted(rows, key=lambda r: r[2].header.get("created", 0))]
+            if args.list is not True and args.list > 0:
+                docs = docs[:args.list]
             if args.json:
                 print(json.dumps(docs))
                 return 0

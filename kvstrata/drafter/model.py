@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention, plan_attention
 from ..kernels.kv_write import write_kv
-from ..nn.layers import RMSNorm, SwiGLUMLP, apply_rotary, rope_cos_sin
+from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
+from ..nn.layers import RMSNorm, SwiGLUMLP, rope_cos_sin
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
@@ -123,9 +124,9 @@ class DFlashDrafter(nn.Module):
         T = feat.shape[0]
         for layer in self.layers:
             a = layer.self_attn
-            k = a.k_norm(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim))
-            v = a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
-            yield apply_rotary(k, cos, sin), v
+            k = head_norm_rope(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim),
+                               a.k_norm.weight, a.k_norm.eps, cos, sin)
+            yield k, a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
                       kv_cache: Tensor, impl: str = "auto") -> None:
@@ -144,18 +145,23 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         x = noise.to(self.dtype)
         T = x.shape[0]
+        eps, hq, hkv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        # As the target's forward: residual adds fused into the next norm (kernels.layer_ops).
+        h, x = add_rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rotary(a.q_norm(a.q_proj(h).view(T, c.num_attention_heads, c.head_dim)),
-                             cos, sin)
-            k = apply_rotary(a.k_norm(a.k_proj(h).view(T, c.num_key_value_heads, c.head_dim)),
-                             cos, sin)
-            v = a.v_proj(h).view(T, c.num_key_value_heads, c.head_dim)
-            x = x + a.o_proj(attn(i, q, k, v).reshape(T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            a, mlp = layer.self_attn, layer.mlp
+            q = head_norm_rope(a.q_proj(h).view(T, hq, hd), a.q_norm.weight, a.q_norm.eps, cos,
+                               sin)
+            k = head_norm_rope(a.k_proj(h).view(T, hkv, hd), a.k_norm.weight, a.k_norm.eps, cos,
+                               sin)
+            v = a.v_proj(h).view(T, hkv, hd)
+            h, x = add_rms_norm(a.o_proj(attn(i, q, k, v).reshape(T, -1)),
+                                layer.post_attention_layernorm.weight, eps, residual=x)
+            y = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = add_rms_norm(y, nxt.weight, eps, residual=x)
+        return h
 
     def postprocess_logits(self, logits: Tensor) -> Tensor:
         """Output multiplier and soft-capping of the reference, on the target head's logits."""
@@ -198,6 +204,20 @@ class PagedDraftAttention:
             self.meta_causal = plan_attention(block_tables, [c + q for c, q in zip(ctx_lens, q_lens)],
                                               q_lens, page_size=page_size, causal=True,
                                               num_kv_heads=H)
+
+    @classmethod
+    def from_plans(cls, drafter: DFlashDrafter, kv_cache: Tensor, meta_block, meta_causal,
+                   block_slots: Tensor | None, impl: str = "auto") -> "PagedDraftAttention":
+        """Over plans built elsewhere (the runner's persistent, CUDA-graph-safe plans):
+        ``meta_block`` in block mode over the context, ``meta_causal`` (or ``None`` without
+        causal layers) over context + block."""
+        if any(drafter.cfg.layer_causal) and (meta_causal is None or block_slots is None):
+            raise ValueError("causal draft layers need a causal plan and the block's slots")
+        self = cls.__new__(cls)
+        self.d, self.kv, self.impl = drafter, kv_cache, impl
+        self.block_slots = block_slots
+        self.meta_block, self.meta_causal = meta_block, meta_causal
+        return self
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cfg = self.d.cfg

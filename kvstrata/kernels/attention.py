@@ -100,6 +100,10 @@ class AttentionMetadata:
         tokens_per_split: KV tokens each split covers (a multiple of the split policy's
             ``align``, 128 by default).
         seq_lens_host, query_lens_host: host copies when known (used by the torch path).
+        split_tokens: optional ``[1] int32`` device copy of ``tokens_per_split`` that the kernel
+            reads instead of the host int (a CUDA graph's plan: the runner writes it each step;
+            ``tokens_per_split`` is then the largest value it may take, and the grid stays
+            ``num_splits`` wide).
     """
 
     block_tables: Tensor
@@ -113,6 +117,7 @@ class AttentionMetadata:
     tokens_per_split: int = 0
     seq_lens_host: list[int] | None = None
     query_lens_host: list[int] | None = None
+    split_tokens: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -321,6 +326,12 @@ def paged_attention_ref(q: Tensor, kv_cache: Tensor, layer: int, meta: Attention
     start = 0
     for s, (L, ql) in enumerate(zip(seq_lens, q_lens)):
         if ql == 0:
+            continue
+        if meta.causal and L == 0:
+            # A padding row of a captured batch (length 0): nothing visible, output 0 (as the
+            # kernel writes).
+            out[start:start + ql] = 0
+            start += ql
             continue
         n_pages = math.ceil(L / page_size)
         pages = kv_cache[bt[s, :n_pages].long(), layer].float()  # [n, 2, hkv, P, D]

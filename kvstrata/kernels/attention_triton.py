@@ -70,7 +70,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, tps_ptr,
         layer_off, qk_scale, window, tokens_per_split, num_q_blocks, num_splits,
         s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
         s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
@@ -80,7 +80,7 @@ def _paged_attention_kernel(
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -114,6 +114,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    if TPS_DEV:
+        # A CUDA graph's plan: the split length is written per step into device memory (the
+        # grid, num_splits, is fixed at capture).
+        tokens_per_split = tl.load(tps_ptr)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     if CAUSAL:
@@ -281,6 +285,11 @@ def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_hea
              res.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
 
 
+#: Decode launches of at most this many programs per SM merge their splits in the same launch.
+FUSED_DECODE_WAVES = 4
+#: Switch for that policy: off, measured slower (H200, 1 x 8k decode, 64 splits, in a graph:
+#: 31.7 us fused vs 18.1 us split + merge per layer; 1 x 32k: 50.8 vs 42.1; docs/benchmarks.md).
+FUSED_DECODE = False
 #: Partial-output elements one merge program holds (heads x splits x head_dim).
 REDUCE_TILE = 4096
 
@@ -312,7 +321,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
     # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
-    # reduce lost everywhere (its merging program walks the rows serially), so it stays off.
+    # reduce lost everywhere (its merging program walks the rows serially), batch-1 decode
+    # included (FUSED_DECODE; runner_bench measures it), so it stays off.
     # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
     # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
     # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
@@ -320,6 +330,10 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # tiles capped at 128 registers, 4 programs per SM (128 x 1k verify 157.3 us vs 184.9;
     # 8 x 2k prefill 852 vs 989; 64 x 2k draft block 152 vs 221; 8 x 8k verify: tie).
     block_m = block_q * group_pad
+    # Decode (one query row block) with few programs: the last split program merges in the same
+    # launch (the merge walks only GROUP rows), one launch instead of split + merge.
+    fused = (FUSED_DECODE and max_query_len <= 1 and block_q * group_pad <= 16
+             and 0 < programs <= FUSED_DECODE_WAVES * num_sms)
     maxnreg = None
     if block_d > 128:
         block_n = 32
@@ -331,7 +345,7 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
+                FUSED_REDUCE=fused, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
 
 
 #: Per-device int32 arrival counters of the fused split reduce (all zero between launches: the
@@ -386,6 +400,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     splits = meta.num_splits
     per = meta.tokens_per_split
+    tps_dev = meta.split_tokens
     if per % 16:
         raise ValueError(f"tokens_per_split={per} must be a multiple of 16; build the "
                          f"metadata with plan_attention")
@@ -419,6 +434,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     _paged_attention_kernel[grid](
         q, kv_cache, bk, bv, out, part_o, part_lse, counters,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        tps_dev if tps_dev is not None else meta.seq_lens,
         layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
         max(per, 1), num_q_blocks, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -432,7 +448,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:

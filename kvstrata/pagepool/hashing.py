@@ -136,19 +136,24 @@ def page_hashes(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
     sequence hashes only its new pages).
     """
     P = namespace.page_size
-    raw = tokens_to_bytes(token_ids)
-    n_full = len(raw) // (8 * P)
     if start_page == 0:
-        h = namespace.digest
+        parent = namespace.digest
     elif parent is None:
         raise ValueError("page_hashes(start_page>0) needs the parent hash")
-    else:
-        h = parent
-    out: list[bytes] = []
+    return chain_hashes(parent, token_ids[start_page * P:], P)
+
+
+def chain_hashes(parent: bytes, token_ids: Sequence[int] | np.ndarray, page_size: int
+                 ) -> list[bytes]:
+    """Chained hashes of the full pages of ``token_ids`` (which start on a page boundary),
+    continuing the chain from ``parent``; the cost is that of these tokens only."""
+    raw = tokens_to_bytes(token_ids)
+    step = 8 * page_size
     mv = memoryview(raw)
-    step = 8 * P
     blake = hashlib.blake2b
-    for i in range(start_page, n_full):
+    out: list[bytes] = []
+    h = parent
+    for i in range(len(raw) // step):
         h = blake(h + mv[i * step:(i + 1) * step], digest_size=HASH_BYTES).digest()
         out.append(h)
     return out

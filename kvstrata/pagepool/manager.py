@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .hashing import Namespace, page_hashes
+from .hashing import Namespace, chain_hashes, page_hashes
 from .pool import OutOfPagesError, PageInfo, PagePool
 
 
@@ -252,10 +252,13 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq_id!r}: committing up to {n_new} tokens but only "
                              f"{len(seq.page_ids)} pages are reserved")
         seq.token_ids.extend(int(t) for t in new_token_ids)
+        # Only the pages that filled now are hashed: the tail after the last hashed page is
+        # shorter than a page plus this commit, so a step's cost does not grow with the
+        # sequence (the chain's parent is the last hash).
         start = len(seq.hashes)
-        parent = seq.hashes[-1] if seq.hashes else None
-        new_hashes = page_hashes(seq.namespace, seq.token_ids, start, parent)
         P = self.page_size
+        parent = seq.hashes[-1] if seq.hashes else seq.namespace.digest
+        new_hashes = chain_hashes(parent, seq.token_ids[start * P:], P)
         for i, h in enumerate(new_hashes, start):
             par = seq.hashes[-1] if seq.hashes else seq.namespace.digest
             self.pool.set_hash(seq.page_ids[i], h, par, seq.token_ids[i * P:(i + 1) * P])

@@ -3,6 +3,8 @@
 from .config import CacheConfig
 from .engine import LLM
 from .outputs import RequestDelta, RequestOutput
+from .runner import RunnerConfig
 from .sampling import SamplingParams
 
-__all__ = ["CacheConfig", "LLM", "RequestDelta", "RequestOutput", "SamplingParams"]
+__all__ = ["CacheConfig", "LLM", "RequestDelta", "RequestOutput", "RunnerConfig",
+           "SamplingParams"]

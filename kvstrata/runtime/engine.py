@@ -4,12 +4,12 @@ One step (see DESIGN.md, "Runtime"):
 
 1. admit waiting requests; the longest cached prefix (device pool, then tiers) is reused for both
    groups, so only the uncached prompt tail is prefilled, at its true positions;
-2. draft ``B-1`` tokens for every scheduled generating sequence in one drafter forward;
-3. one target forward over every verify block and prefill chunk (K/V written into the target
-   group; the drafter's tap layers captured);
-4. accept (greedy match or rejection sampling), write the draft context K/V of the committed
-   tokens into the draft group, then ``commit`` them (hashing pages that became full: only now
-   are both groups of those tokens written).
+2-4. the :class:`~.runner.ModelRunner` runs the device side of the step: draft ``B-1`` tokens
+   for every scheduled generating sequence, one target forward over every verify block and
+   prefill chunk, acceptance (greedy match or rejection sampling) and the draft context K/V of
+   the accepted rows; CUDA graphs for pure decode steps; one device->host copy of the tokens;
+5. on the host: stop ids/strings, ``min_tokens``, lengths; then ``commit`` the tokens (hashing
+   pages that became full: only now are both groups of those tokens written).
 """
 
 from __future__ import annotations
@@ -23,21 +23,20 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from ..assets import resolve_model
 from ..tokenizer import Detokenizer, TextTokenizer, load_tokenizer
 from ..tokenizer import eos_token_ids as read_eos_ids
-from ..drafter import DFlashDrafter, DraftArena, PagedDraftAttention
-from ..kernels.attention import plan_attention
+from ..drafter import DFlashDrafter, DraftArena
 from ..pagepool.hashing import Namespace
 from ..pagepool.manager import KVCacheManager
 from ..pagepool.pool import OutOfPagesError, PagePool
 from .config import CacheConfig, check_drafter_compat, plan_cache
 from .outputs import RequestDelta, RequestOutput
 from .qwen3 import Qwen3Model
-from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
-                       sampling_probs)
+from .runner import ModelRunner, RunnerConfig, StepItem
+from .sampling import SamplingParams
 from .scheduler import (DECODE, DONE, PREEMPTED, PREFILL, PREFILLED, Request, Scheduler,
                         StepPlan)
 
@@ -120,13 +119,15 @@ class LLM:
         eos_token_ids: end-of-sequence ids (default: the target directory's ``config.json`` and
             ``generation_config.json``); requests stop there unless ``ignore_eos``.
         num_threads: torch CPU threads (default: 1 for small models; see ``_choose_threads``).
+        runner: :class:`RunnerConfig` (CUDA graphs on by default on CUDA; the
+            ``KVSTRATA_CUDA_GRAPHS=0`` environment variable turns them off; opt-in timing).
     """
 
     def __init__(self, target, drafter=None, cache: CacheConfig | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
                  block_size: int | None = None, seed: int = 0, attn_impl: str = "auto",
                  tokenizer="auto", eos_token_ids: Sequence[int] | None = None,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, runner: RunnerConfig | None = None):
         self.cache = cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(cache).__name__}")
@@ -165,7 +166,10 @@ class LLM:
             groups.append(self.drafter.kv_spec(codec=cache.draft_codec))
         free = None
         if self.device.type == "cuda" and cache.kv_cache_bytes is None:
-            free = int(torch.cuda.mem_get_info(self.device)[0] * 0.9)
+            # The runner's activations and captured graphs live beside the pool: keep room.
+            free = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) - ModelRunner.workspace_bytes(
+                self.target, self.drafter, cache.max_batch_size, B,
+                cache.max_num_batched_tokens)
         self.plan = plan_cache(cache, groups, limits, B, free)
         self.max_seq_len = self.plan.max_seq_len
         self.pool = PagePool(groups, self.plan.num_pages, cache.page_size, self.device)
@@ -177,6 +181,11 @@ class LLM:
                       if self.drafter is not None and not self.paged else None)
         self.taps = list(self.drafter.cfg.target_layer_ids) if self.drafter else []
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.runner = ModelRunner(self.target, self.drafter, self.pool, self.mgr, block_size=B,
+                                  max_batch_size=cache.max_batch_size,
+                                  max_seq_len=self.max_seq_len, arena=self.arena,
+                                  generator=self.generator, attn_impl=attn_impl, config=runner)
+        self.runner.capture()
         self._ids = itertools.count()
         self._admissions = itertools.count()
         self.sched = self._scheduler()
@@ -363,6 +372,10 @@ class LLM:
             "prefix": dict(self.mgr.stats),
             "engine": dict(self.counters, running=len(self.sched.running),
                            waiting=len(self.sched.waiting)),
+            "runner": {"cuda_graphs": bool(self.runner.graphs),
+                       "batch_sizes": list(self.runner.ladder) if self.runner.graphs else [],
+                       "graph_pool_bytes": self.runner.graph_pool_bytes,
+                       **self.runner.stats},
         }
         if self.arena is not None:
             out["arena_bytes"] = self.arena.nbytes
@@ -624,199 +637,69 @@ class LLM:
         self._abort(sched, r, "error", f"{type(e).__name__}: {e}")
         sched.finished.append(r)
 
-    def _sync(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     @torch.inference_mode()
     def _step(self, plan: StepPlan) -> None:
-        t0 = self._sync()
-        drafts = self._draft(plan.decode) if self.drafter is not None else {}
-        t1 = self._sync()
-        items = [(r, n, [r.tokens[-1]] + drafts.get(r, ([], None))[0]) for r, n in plan.decode]
-        items += [(r, n, r.tokens[r.num_computed:r.num_computed + n]) for r, n in plan.prefill]
-        hidden, taps, pos_t, slots_t = self._target_forward(items)
-        t2 = self._sync()
-        self._accept(items, drafts, hidden, taps, pos_t, slots_t)
+        """Hand the scheduled batch to the runner (device side: draft, verify, accept, draft
+        context write; one device->host copy), then apply the produced tokens on the host."""
+        t0 = time.perf_counter()
+        items = [self._item(r, n, True) for r, n in plan.decode]
+        items += [self._item(r, n, False) for r, n in plan.prefill]
+        produced = self.runner.execute(items)
+        self._accept(plan.decode + plan.prefill, items, produced)
         c = self.counters
         c["steps"] += 1
-        c["draft_s"] += t1 - t0
-        c["target_s"] += t2 - t1
-        c["step_s"] += self._sync() - t0
+        c["draft_s"] = self.runner.timing.draft_s      # CUDA events, only with timing on
+        c["target_s"] = self.runner.timing.target_s
+        c["step_s"] += time.perf_counter() - t0       # the runner waited for its one copy
 
-    def _draft(self, decode: list[tuple[Request, int]]) -> dict:
-        """Draft tokens (and their sampling distributions) for blocks longer than one token."""
-        items = [(r, n) for r, n in decode if n > 1]
-        if not items:
-            return {}
-        d, cfg, dev = self.drafter, self.drafter.cfg, self.device
-        ids, pos, rows = [], [], []
-        for r, n in items:
-            start = r.num_computed
-            rows += range(len(ids) + 1, len(ids) + n)
-            ids += [r.tokens[-1]] + [cfg.mask_token_id] * (n - 1)
-            pos += range(start, start + n)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        noise = self.target.embed(ids_t)
-        if cfg.input_embedding_scale != 1.0:
-            noise = noise * cfg.input_embedding_scale
-        keys = [r.rid_key for r, _ in items]
-        starts = [r.num_computed for r, _ in items]
-        qlens = [n for _, n in items]
-        if self.paged:
-            bt, _ = self.mgr.block_tables(keys)
-            slots = [s for (r, n) in items for s in self.mgr.slots(r.rid_key, r.num_computed,
-                                                                  r.num_computed + n)]
-            attn = PagedDraftAttention(d, self.pool.kv["draft"], bt, starts, qlens,
-                                       torch.tensor(slots, dtype=torch.int64, device=dev),
-                                       self.pool.page_size, impl=self.attn_impl)
+    def _item(self, r: Request, n: int, decode: bool) -> StepItem:
+        """One request's part of the step, for the runner."""
+        if decode:
+            toks, rows, sample = [r.tokens[-1]], n, False
         else:
-            attn = self.arena.attention(keys, starts, qlens)
-        hidden = d(noise, pos_t, attn)
-        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(self.target.dtype)
-        logits = d.postprocess_logits(self.target.compute_logits(h))
-        greedy = logits.argmax(-1).tolist()
-        out, at = {}, 0
-        for r, n in items:
-            k = n - 1
-            sp = r.params
-            if sp.greedy:
-                out[r] = (greedy[at:at + k], None)
-            else:
-                probs = sampling_probs(logits[at:at + k], sp.temperature, sp.top_p, sp.top_k)
-                toks = sample_from(probs, r.generator or self.generator)
-                out[r] = (toks.tolist(), probs)
-            at += k
-        return out
+            toks = r.tokens[r.num_computed:r.num_computed + n]
+            # A request resumed after a preemption already holds its next token.
+            sample = (r.num_computed + n == r.prefill_target
+                      and len(r.tokens) == r.prefill_target)
+            rows = int(sample)
+        # min_tokens: stop ids are masked out of the rows that produce generated token number
+        # <= min_tokens (vLLM's semantics), so greedy/spec/plain agree on them.
+        g0 = len(r.tokens) - len(r.prompt)
+        masked = max(0, min(rows, r.params.min_tokens - g0)) if r.stop_ids else 0
+        return StepItem(r.rid_key, r.num_computed, n, toks, decode, r.params, sample=sample,
+                        generator=r.generator, banned=r.stop_ids if masked else frozenset(),
+                        banned_rows=masked)
 
-    def _target_forward(self, items) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
-        """Hidden states, concatenated taps, positions and slots of the packed step's rows."""
-        dev = self.device
-        ids, pos, slots, qlens, slens = [], [], [], [], []
-        for r, n, toks in items:
-            s = r.num_computed
-            ids += toks
-            pos += range(s, s + n)
-            slots += self.mgr.slots(r.rid_key, s, s + n)
-            qlens.append(n)
-            slens.append(s + n)
-        bt, sl = self.mgr.block_tables([r.rid_key for r, _, _ in items], seq_lens=slens)
-        meta = plan_attention(bt, sl, qlens, page_size=self.pool.page_size, causal=True,
-                              seq_lens_host=slens,
-                              num_kv_heads=self.target.config.num_key_value_heads)
-        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        hidden, cap = self.target(
-            torch.tensor(ids, dtype=torch.int64, device=dev), pos_t, meta, slots_t,
-            self.pool.kv["target"], capture_layers=self.taps, attn_impl=self.attn_impl)
-        return hidden, (torch.cat(cap, dim=-1) if cap else None), pos_t, slots_t
-
-    def _accept(self, items, drafts, hidden: Tensor, taps: Tensor | None, pos_t: Tensor,
-                slots_t: Tensor) -> None:
-        """Accept, then apply. Phase 1 (sampling, which can fail: e.g. a distribution without
-        mass) changes no request; phase 2 appends, writes the draft context and commits."""
-        dev = self.device
-        # Rows whose logits we need: every verify row; the last row of a finished prompt (a
-        # request resumed after a preemption already holds its next token).
-        need, at, mask = [], 0, []
-        for r, n, _ in items:
-            if r.state == DECODE:
-                rows = range(at, at + n)
-            elif r.num_computed + n == r.prefill_target and len(r.tokens) == r.prefill_target:
-                rows = [at + n - 1]
-            else:
-                rows = []
-            # min_tokens: stop ids are masked out of the rows that produce generated token
-            # number <= min_tokens (vLLM's semantics), so greedy/spec/plain agree on them.
-            g0 = len(r.tokens) - len(r.prompt)
-            for j, _row in enumerate(rows):
-                if r.stop_ids and g0 + j + 1 <= r.params.min_tokens:
-                    mask.append((len(need) + j, r.stop_ids))
-            need += rows
-            at += n
-        logits = self.target.compute_logits(
-            hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
-        for row, ids in mask:
-            logits[row, torch.tensor(sorted(ids), dtype=torch.int64, device=dev)] = float("-inf")
-        greedy = logits.argmax(-1).tolist() if need else []
-        plan = []             # (request, n, tokens fed, new tokens or None, first row)
-        li, at = 0, 0
-        for r, n, toks in items:
-            new = None
-            if r.state == DECODE:
-                dr, dprobs = drafts.get(r, ([], None))
-                sp = r.params
-                if sp.greedy:
-                    acc, bonus = greedy_accept(dr, greedy[li:li + n])
-                else:
-                    tp = sampling_probs(logits[li:li + n], sp.temperature, sp.top_p, sp.top_k)
-                    d_t = torch.tensor(dr, dtype=torch.int64, device=dev)
-                    if dprobs is None:
-                        dprobs = tp[:0]
-                    acc, bonus = rejection_accept(d_t, tp, dprobs, r.generator or self.generator)
-                li += n
-                new = (dr[:acc] + [bonus])[:max(1, r.max_length - r.num_computed - 1)]
-            elif r.num_computed + n == r.prefill_target and len(r.tokens) == r.prefill_target:
-                sp = r.params
-                if sp.greedy:
-                    new = [greedy[li]]
-                else:
-                    probs = sampling_probs(logits[li], sp.temperature, sp.top_p, sp.top_k)
-                    new = [int(sample_from(probs, r.generator or self.generator))]
-                li += 1
-            plan.append((r, n, toks, new, at))
-            at += n
-        commits = []          # (request, tokens to commit, first row in the packed step)
+    def _accept(self, scheduled: list[tuple[Request, int]], items: list[StepItem],
+                produced: list[list[int]]) -> None:
+        """Host side of acceptance: append (stops, ``min_tokens``, lengths), then commit the
+        tokens whose K/V (both groups) the runner wrote."""
         now = time.perf_counter()
         c = self.counters
-        for r, n, toks, new, at in plan:
-            if r.state == DECODE:
-                produced = r.append(new)
-                commits.append((r, toks[:produced], at))
-                r.acceptance_lengths.append(produced)
-                r.last_al = produced
+        for (r, n), it, new in zip(scheduled, items, produced):
+            if it.decode:
+                new = new[:max(1, r.max_length - r.num_computed - 1)]
+                # The inputs of the produced tokens' rows: the pending token, then the accepted
+                # drafts (which equal the produced tokens before the last).
+                fed = [r.tokens[-1]] + new
+                done = r.append(new)
+                commit = fed[:done]
+                r.acceptance_lengths.append(done)
+                r.last_al = done
                 c["verify_tokens"] += n
-                c["generated_tokens"] += produced
-                continue
-            commits.append((r, toks, at))
-            c["prefill_tokens"] += n
-            if r.num_computed + n < r.prefill_target:
-                continue
-            if new is None:                  # resumed: decoding goes on from its pending token
-                r.state, r.resume_to = DECODE, 0
-                continue
-            r.state, r.t_first, r.resume_to = DECODE, now, 0
-            r.append(new)
-            if r.handoff and r.state == DECODE:
-                r.state = PREFILLED
-                # The prompt commit below still runs: a handoff carries committed pages.
-            c["generated_tokens"] += 1
-        self._write_context(commits, taps, pos_t, slots_t)
-        for r, toks, _ in commits:
-            self.mgr.commit(r.rid_key, toks)
-            r.num_computed += len(toks)
-
-    def _write_context(self, commits, taps: Tensor | None, pos_t: Tensor, slots_t: Tensor
-                       ) -> None:
-        """Draft context K/V of the tokens about to be committed (both groups before commit).
-
-        ``pos_t``/``slots_t``: the step's packed positions and slots (``_target_forward``); a
-        commit's tokens are the first rows of its item, so their positions and slots are those.
-        """
-        if self.drafter is None or not commits:
-            return
-        dev = self.device
-        rows = []
-        for r, toks, at in commits:
-            s, m = r.num_computed, len(toks)
-            if self.paged:
-                rows += range(at, at + m)
-            elif m:
-                self.arena.append(r.rid_key, taps[at:at + m],
-                                  torch.arange(s, s + m, device=dev))
-        if self.paged and rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-            self.drafter.write_context(taps[idx], pos_t[idx], slots_t[idx], self.pool.kv["draft"],
-                                       impl=self.attn_impl)
+                c["generated_tokens"] += done
+            else:
+                commit = it.tokens
+                c["prefill_tokens"] += n
+                if r.num_computed + n >= r.prefill_target:
+                    if not new:           # resumed: decoding goes on from its pending token
+                        r.state, r.resume_to = DECODE, 0
+                    else:
+                        r.state, r.t_first, r.resume_to = DECODE, now, 0
+                        r.append(new)
+                        if r.handoff and r.state == DECODE:
+                            r.state = PREFILLED
+                            # The prompt commit below still runs: a handoff carries its pages.
+                        c["generated_tokens"] += 1
+            self.mgr.commit(r.rid_key, commit)
+            r.num_computed += len(commit)

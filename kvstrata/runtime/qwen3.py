@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import AttentionMetadata, paged_attention
 from ..kernels.kv_write import write_kv
+from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
                          weights_fingerprint)
@@ -266,21 +267,31 @@ class Qwen3Model(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         captured: list[Tensor | None] = [None] * len(capture_layers)
-        h = self.embed(input_ids)
+        eps, T = cfg.rms_norm_eps, input_ids.shape[0]
+        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
+        # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
+        x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
+                            impl=attn_impl)
         for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            attn = layer.self_attn
-            q = attn.project_q(x, cos, sin)
-            k, v = attn.project_kv(x, cos, sin)
+            attn, mlp = layer.self_attn, layer.mlp
+            q = head_norm_rope(attn.q_proj(x).view(T, hq, hd), attn.q_norm.weight,
+                               attn.q_norm.eps, cos, sin, impl=attn_impl)
+            k = head_norm_rope(attn.k_proj(x).view(T, hkv, hd), attn.k_norm.weight,
+                               attn.k_norm.eps, cos, sin, impl=attn_impl)
+            v = attn.v_proj(x).view(T, hkv, hd)
             write_kv(kv_cache, i, k, v, slot_mapping, impl=attn_impl)
             o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                 sliding_window=windows[i], impl=attn_impl)
-            h = h + attn.project_out(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x, h = add_rms_norm(attn.project_out(o), layer.post_attention_layernorm.weight, eps,
+                                residual=h, impl=attn_impl)
+            y = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x), impl=attn_impl))
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(y, nxt.weight, eps, residual=h, impl=attn_impl)
             for j, l in enumerate(capture_layers):
                 if l == i:
                     captured[j] = h
-        return self.norm(h), captured  # type: ignore[return-value]
+        return x, captured  # type: ignore[return-value]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[T, hidden]`` -> ``[T, vocab]`` float32 (tied or untied head)."""

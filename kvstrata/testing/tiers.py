@@ -21,6 +21,17 @@ GROUPS = (KVGroupSpec("target", 2, 1, 16, torch.bfloat16, "identity"),
           KVGroupSpec("draft", 1, 1, 16, torch.float32, "identity"))
 
 
+def chain(ns: Namespace, n: int, page_size: int = PAGE, first_page_id: int = 0
+          ) -> list[PageInfo]:
+    """PageInfo of ``n`` chained pages of tokens ``0, 1, 2, ...`` under ``ns`` (page ids from
+    ``first_page_id``)."""
+    tokens = list(range(n * page_size))
+    hashes = page_hashes(ns, tokens)
+    return [PageInfo(first_page_id + i, h, hashes[i - 1] if i else ns.digest,
+                     tuple(tokens[i * page_size:(i + 1) * page_size]))
+            for i, h in enumerate(hashes)]
+
+
 def make_records(n: int, seed: int = 0, salt: str | None = None
                  ) -> tuple[Namespace, list[PageInfo], list[list]]:
     """``(namespace, infos, records)`` of a chain of ``n`` pages (identity codec)."""

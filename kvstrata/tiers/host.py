@@ -335,7 +335,9 @@ class HostTier:
             if len(p) > nb:
                 raise CorruptPageError(f"group {self.names[gi]!r}: {len(p)}-byte payload, the "
                                        f"host slot holds {nb}")
-            np.copyto(self.buf[slot, off:off + len(p)].numpy(), np.frombuffer(p, dtype=np.uint8))
+            dst, src = self.buf[slot, off:off + len(p)].numpy(), np.frombuffer(p, dtype=np.uint8)
+            if src.ctypes.data != dst.ctypes.data:      # (received straight into the slot)
+                np.copyto(dst, src)
             headers.append(EncodedPage.from_header(g, _EMPTY))
             sizes.append(len(p))
         return HostEntry(info, ns, slot, headers, sizes)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -82,6 +83,10 @@ class TierManager:
             RemoteTier`), or ``None``. Asked after the disk.
         write_through: also write a page to the host and every lower tier as soon as it is
             hashed.
+        flush_after_s: write-through pages are written in batches: when ``batch_pages`` are
+            queued, when a queued page has waited this long (checked as pages are hashed), and
+            on every lookup, eviction, :meth:`flush` and :meth:`write_back`. Engines sharing a
+            remote tier see each other's pages within about this delay of steady work.
         batch_pages: most pages per copy batch (capped by the host slots). Each batch costs
             fixed host work (Python per page, launches per chunk); on an H200, NVFP4 evictions
             streamed at 3.25x the raw PCIe figure in batches of 256 and 2.6x in batches of 64
@@ -95,7 +100,7 @@ class TierManager:
     def __init__(self, pool: PoolView | PagePool, namespace: Namespace, host_bytes: int = 1 << 30,
                  disk: Tier | None = None, write_through: bool = False,
                  batch_pages: int = 256, attach: bool = True, chunk_pages: int | None = None,
-                 remote: Tier | None = None):
+                 remote: Tier | None = None, flush_after_s: float = 0.1):
         view = pool if isinstance(pool, PoolView) else PoolView.of(pool)
         if namespace.page_size != view.page_size:
             raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
@@ -128,6 +133,8 @@ class TierManager:
         self.lower: list[Tier] = [t for t in (disk, remote) if t is not None]
         self.write_through = write_through
         self._wt_queue: list[PageInfo] = []
+        self._wt_since = 0.0
+        self.flush_after_s = flush_after_s
         self.counters = dict.fromkeys(_COUNTERS, 0)
         for name in ("disk", *(t.name for t in self.lower)):
             self.counters.update(dict.fromkeys((c.format(name) for c in _TIER_COUNTERS), 0))
@@ -214,8 +221,11 @@ class TierManager:
 
     def on_hashed(self, info: PageInfo) -> None:
         """Hashing hook (write-through): queue a freshly hashed page; written in batches."""
+        if not self._wt_queue:
+            self._wt_since = time.monotonic()
         self._wt_queue.append(info)
-        if len(self._wt_queue) >= self.batch:
+        if (len(self._wt_queue) >= self.batch
+                or time.monotonic() - self._wt_since >= self.flush_after_s):
             self._flush_write_through()
 
     def flush(self) -> None:

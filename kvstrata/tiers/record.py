@@ -107,6 +107,30 @@ def parse_record(data: bytes | memoryview | Sequence[bytes | memoryview]) -> Rec
     else:
         parts = [memoryview(data)]
     mv = parts[0]
+    header, end, sizes = _read_head(mv)
+    if len(parts) > 1:
+        got = [len(p) for p in parts[1:]]
+        if len(mv) != end or got != sizes:
+            raise CorruptPageError(f"record parts are a {len(mv)}-byte head and payloads of {got} "
+                                   f"bytes; its header describes {end} and {sizes}")
+        return Record(header, parts[1:], end - _PREFIX.size)
+    if end + sum(sizes) != len(mv):
+        raise CorruptPageError(f"record is {len(mv)} bytes; its header describes {end + sum(sizes)}")
+    payloads, off = [], end
+    for n in sizes:
+        payloads.append(mv[off:off + n])
+        off += n
+    return Record(header, payloads, end - _PREFIX.size)
+
+
+def payload_sizes(head: bytes | memoryview) -> list[int]:
+    """Each group's payload length, from a record's head (prefix + header) alone; raises a
+    CorruptPageError subclass as :func:`parse_record` does."""
+    return _read_head(memoryview(head))[2]
+
+
+def _read_head(mv: memoryview) -> tuple[dict, int, list[int]]:
+    """``(header, end of the header, payload sizes)``: magic, header CRC, version, group table."""
     if len(mv) < _PREFIX.size:
         raise CorruptPageError(f"record of {len(mv)} bytes is shorter than its {_PREFIX.size}-byte prefix")
     magic, hlen, hcrc = _PREFIX.unpack_from(mv, 0)
@@ -129,19 +153,7 @@ def parse_record(data: bytes | memoryview | Sequence[bytes | memoryview]) -> Rec
         sizes = [int(g["nbytes"]) for g in header["groups"]]
     except (KeyError, TypeError, ValueError):
         raise CorruptPageError("record header has no valid group table") from None
-    if len(parts) > 1:
-        got = [len(p) for p in parts[1:]]
-        if len(mv) != end or got != sizes:
-            raise CorruptPageError(f"record parts are a {len(mv)}-byte head and payloads of {got} "
-                                   f"bytes; its header describes {end} and {sizes}")
-        return Record(header, parts[1:], hlen)
-    if end + sum(sizes) != len(mv):
-        raise CorruptPageError(f"record is {len(mv)} bytes; its header describes {end + sum(sizes)}")
-    payloads, off = [], end
-    for n in sizes:
-        payloads.append(mv[off:off + n])
-        off += n
-    return Record(header, payloads, hlen)
+    return header, end, sizes
 
 
 def check_payloads(rec: Record) -> None:

@@ -28,6 +28,10 @@ def test_inspect_lists_and_verifies_remote_records(capsys):
         assert doc["maxmemory_policy"] == ["allkeys-lru"] and not doc["cluster"]
         rc, rows = _json(capsys, srv.url, "--list")
         assert rc == 0 and sorted(r["hash"] for r in rows) == sorted(i.hash.hex() for i in infos)
+        rc, rows = _json(capsys, srv.url, "--list", "2")
+        assert rc == 0 and len(rows) == 2
+        assert main(["inspect", srv.url, "--repair"]) == 2
+        assert "no" in capsys.readouterr().out
         rc, page = _json(capsys, srv.url, "--page", infos[2].hash.hex()[:10])
         assert rc == 0 and page["token_ids"] == list(infos[2].token_ids)
         rc, v = _json(capsys, srv.url, "--verify")

@@ -29,7 +29,7 @@ def test_stress_detects_wrong_pages(tmp_path, capsys, monkeypatch):
     def corrupting(self, namespace, pages, page_ids):
         n = real(self, namespace, pages, page_ids)
         if n:
-            self.pool.kv["draft"][page_ids[0]].add_(1)   # a lossless group changed in transit
+            self.view.page_major(1)[page_ids[0]].add_(1)   # the draft group changed in transit
         return n
     monkeypatch.setattr(TierManager, "load_prefix", corrupting)
     assert _run(tmp_path, "--seconds", "2", "--codecs", "identity,identity") == 1

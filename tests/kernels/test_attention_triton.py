@@ -285,3 +285,22 @@ def test_kernel_config_tiles_follow_the_grid():
     dec = kernel_config(4, 128, 1, 128, programs=512, num_sms=132)
     assert dec["BLOCK_N"] == 32 and dec["maxnreg"] is None
     assert kernel_config(4, 128, 1, 1024, programs=64)["BLOCK_N"] == 64
+
+
+@pytest.mark.parametrize("q_len,fused", [(1, True), (1, False), (4, False)])
+def test_device_split_length_and_padding_rows(q_len, fused):
+    """A CUDA graph's plan: the grid is sized once (8 splits), the split length is read from
+    device memory each step; a padding row (length 0, causal) outputs zeros, as the reference."""
+    import dataclasses
+    c = make_case([300, 70, 5], [q_len] * 3, hkv=2, group=4, head_dim=32, seed=3)
+    seq_lens = c.meta.seq_lens.clone()
+    seq_lens[2] = 0                       # the padding row
+    for per in (48, 64):                  # two steps' split lengths, same grid
+        meta = dataclasses.replace(c.meta, seq_lens=seq_lens, num_splits=8, tokens_per_split=16,
+                                   seq_lens_host=None,
+                                   split_tokens=torch.tensor([per], dtype=torch.int32))
+        got = paged_attention_triton(c.q, c.kv_cache, c.layer, meta, sm_scale=0.3,
+                                     config=dict(FUSED_REDUCE=fused, BLOCK_N=16))
+        want = paged_attention_ref(c.q, c.kv_cache, c.layer, meta, sm_scale=0.3)
+        torch.testing.assert_close(got.float(), want.float(), **tol(c.q.dtype))
+        assert torch.count_nonzero(want[2 * q_len:]) == 0

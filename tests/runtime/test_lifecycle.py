@@ -63,7 +63,7 @@ def test_a_failing_request_is_its_own_error_and_nothing_leaks(ckpts):
 
 def test_keyboard_interrupt_inside_generate_frees_everything(ckpts, monkeypatch):
     llm = LLM(ckpts["agree"][0], ckpts["drafter"][0], _cache())
-    real, calls = llm._target_forward, []
+    real, calls = llm.runner.execute, []
 
     def boom(items):
         calls.append(1)
@@ -71,11 +71,11 @@ def test_keyboard_interrupt_inside_generate_frees_everything(ckpts, monkeypatch)
             raise KeyboardInterrupt
         return real(items)
 
-    monkeypatch.setattr(llm, "_target_forward", boom)
+    monkeypatch.setattr(llm.runner, "execute", boom)     # the device side of a step
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, SamplingParams(max_tokens=12))
     _clean(llm)
-    monkeypatch.setattr(llm, "_target_forward", real)
+    monkeypatch.setattr(llm.runner, "execute", real)
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 

@@ -13,7 +13,7 @@ import lmdb
 import pytest
 
 from kvstrata.tiers import DiskTier
-from kvstrata.tiers import disk as disk_mod
+from kvstrata.tiers import diskindex
 
 
 def _items(keys, size=1000):
@@ -91,17 +91,20 @@ def test_other_process_reads_while_this_one_writes(tmp_path):
 
 
 def test_map_full_fails_cleanly_and_shrinks_capacity(tmp_path, caplog):
-    with DiskTier(tmp_path / "d", map_size=1 << 18, capacity_bytes=1 << 18) as d:
+    # The map holds only the index (~150 bytes a record): 64 KiB fill up long before 1 MiB of
+    # 32-byte records does.
+    with DiskTier(tmp_path / "d", map_size=1 << 16, capacity_bytes=1 << 20) as d:
         stored = 0
         with caplog.at_level(logging.WARNING, "kvstrata.tiers.disk"):
-            for b in range(40):
-                stored += d.put_batch(_items([_key(b * 4 + i) for i in range(4)], size=8000))
+            for b in range(200):
+                stored += d.put_batch(_items([_key(b * 4 + i) for i in range(4)], size=32))
         n = len(d)
-        assert 0 < n < 160 and stored >= n
+        assert 0 < n < 800 and stored >= n
+        assert d.stats["write_errors"] > 0
         with d.reader() as get:          # everything visible is whole
             for k in d.keys_by_age():
-                assert b"".join(get(k)) == k * 500
-        assert d._cap < (1 << 18)
+                assert b"".join(get(k)) == k * 2
+        assert d._cap < (1 << 20)
 
 
 def test_io_error_drops_batch_counts_and_logs_once_per_burst(tmp_path, caplog):
@@ -126,8 +129,8 @@ def test_io_error_drops_batch_counts_and_logs_once_per_burst(tmp_path, caplog):
 def test_bad_arguments_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="map_size"):
         DiskTier(tmp_path / "a", map_size=10)
-    with pytest.raises(ValueError, match="exceeds the LMDB map"):
-        DiskTier(tmp_path / "b", map_size=1 << 20, capacity_bytes=1 << 21)
+    with DiskTier(tmp_path / "b", map_size=1 << 20, capacity_bytes=1 << 30) as d:
+        assert d.capacity_bytes == 1 << 30     # the map holds the index only, not the records
     with pytest.raises(ValueError, match="no such directory"):
         DiskTier(tmp_path / "missing", readonly=True)
     env = lmdb.open(str(tmp_path / "plain"), max_dbs=1)
@@ -137,12 +140,11 @@ def test_bad_arguments_are_value_errors(tmp_path):
 
 
 def _segment_bytes(d, h):
-    """The payload bytes of record ``h`` as they sit in its segment file."""
-    with d.env.begin() as txn:
-        seg, off, lens = disk_mod._loc(txn.get(h, db=d._index))
-    with open(d._seg_path(seg), "rb") as f:
+    """The parts of record ``h`` as they sit in its segment file (behind their frame)."""
+    path, off, lens = d.where(h)
+    with open(path, "rb") as f:
         f.seek(off)
-        return seg, [f.read(n) for n in lens]
+        return path, [f.read(n) for n in lens]
 
 
 def test_parts_are_stored_apart_and_read_back_in_order(tmp_path):
@@ -151,17 +153,18 @@ def test_parts_are_stored_apart_and_read_back_in_order(tmp_path):
         assert d.put_batch([(_key(1), parts)]) == 1
         with d.reader() as get:
             assert [bytes(p) for p in get(_key(1))] == [bytes(p) for p in parts]
-        with d.env.begin() as txn:                  # only the head lives in LMDB
-            assert txn.get(_key(1), db=d._pages) == b"head"
-        seg, payloads = _segment_bytes(d, _key(1))  # the payloads back to back in a segment
-        assert payloads == [bytes(p) for p in parts[1:]]
-        assert d.segments() == {seg: (909, 1, 909)}
+        path, stored = _segment_bytes(d, _key(1))   # the parts back to back in a segment
+        assert stored == [bytes(p) for p in parts]
+        entry = 12 + 16 + 4 * 8 + 913              # frame (key + 4 lengths) + parts
+        seg = int(os.path.basename(path)[:-4], 16)
+        assert d.segments() == {seg: (entry, 1, entry)}
+        assert os.path.getsize(path) == entry
         assert dict(d.iter_records()) == {_key(1): b"".join(parts)}
         assert d.stored_bytes() == sum(len(p) for p in parts)
         d.delete([_key(1)])
         with d.env.begin() as txn:
-            assert txn.stat(d._pages)["entries"] == txn.stat(d._byseg)["entries"] == 0
-        assert d.segments() == {seg: (0, 0, 909)}   # the current segment stays while open
+            assert txn.stat(d._records)["entries"] == txn.stat(d._byseg)["entries"] == 0
+        assert d.segments() == {seg: (0, 0, entry)}  # the current segment stays while open
     with DiskTier(tmp_path / "d", map_size=1 << 22) as d:   # ... and goes when a writer opens
         assert d.segments() == {} and os.listdir(d.segdir) == []
 
@@ -177,8 +180,9 @@ def test_eviction_removes_every_part_and_empty_segments(tmp_path):
         # one record per segment (its 200 payload bytes fill it): the segments of the evicted
         # records are unlinked, the two live ones stay
         segs = d.segments()
-        assert segs == {3: (200, 1, 200), 4: (200, 1, 200)}
-        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d._seg_path(s)) for s in segs)
+        e = 12 + 16 + 3 * 8 + 300                   # frame + parts: one entry per segment
+        assert segs == {3: (e, 1, e), 4: (e, 1, e)}
+        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d.files.path(s)) for s in segs)
         assert d.stats["segments_deleted"] == 2
 
 
@@ -187,10 +191,10 @@ def test_writer_open_removes_orphans_and_torn_tails(tmp_path):
     with DiskTier(path, map_size=1 << 22) as d:
         d.put_batch([(_key(1), [b"h1", b"p1" * 10]), (_key(2), [b"h2", b"p2", b"q2"])])
         (seg, (_, _, end)), = d.segments().items()
-        stray = d._seg_path(seg + 7)
+        stray = d.files.path(seg + 7)
     with open(stray, "wb") as f:            # a segment whose batch never committed
         f.write(b"x" * 100)
-    with open(os.path.join(path, "segments", os.path.basename(d._seg_path(seg))), "ab") as f:
+    with open(os.path.join(path, "segments", os.path.basename(d.files.path(seg))), "ab") as f:
         f.write(b"torn" * 50)               # bytes of a batch killed before its commit
     with DiskTier(path, readonly=True) as r:    # readers never look past committed bytes
         with r.reader() as get:
@@ -198,7 +202,7 @@ def test_writer_open_removes_orphans_and_torn_tails(tmp_path):
         assert r.sweep_orphans() == 0
     with DiskTier(path, map_size=1 << 22) as d:
         assert d.stats["orphans"] == 2
-        assert not os.path.exists(stray) and os.path.getsize(d._seg_path(seg)) == end
+        assert not os.path.exists(stray) and os.path.getsize(d.files.path(seg)) == end
         with d.reader() as get:
             assert [bytes(p) for p in get(_key(1))] == [b"h1", b"p1" * 10]
         assert d.put_batch([(_key(3), [b"h3", b"p3"])]) == 1   # into a new segment
@@ -226,38 +230,40 @@ def _ids(keys) -> list[int]:
 
 def _where(d, i: int) -> tuple[int, int]:
     with d.env.begin() as txn:
-        seg, off, _ = disk_mod._loc(txn.get(_key(i), db=d._index))
+        seg, off, _ = diskindex.location(txn.get(_key(i), db=d._records))
     return seg, off
 
 
 def test_segments_are_reclaimed_under_capacity_pressure(tmp_path):
-    # 1000-byte payloads + 17-byte heads; room for 6 records; a segment rolls once it holds
-    # 2000 bytes; no slack: the files may not exceed the capacity after a write.
+    # 1000-byte payloads + 17-byte heads (+ a 44-byte frame: 1061-byte entries); room for 6
+    # records; a segment rolls once it holds 2000 bytes; no slack: dead bytes + live records may
+    # not exceed the capacity after a write.
     cap = 6 * 1017
+    e = 1061
     with DiskTier(tmp_path / "d", map_size=1 << 22, capacity_bytes=cap, segment_bytes=2000,
                   reclaim_slack=0) as d:
         assert d.file_limit() == cap
         for b in range(3):
             assert d.put_batch([_rec(2 * b), _rec(2 * b + 1)]) == 2
-        assert d.segments() == {1: (2000, 2, 2000), 2: (2000, 2, 2000), 3: (2000, 2, 2000)}
+        assert d.segments() == {1: (2 * e, 2, 2 * e), 2: (2 * e, 2, 2 * e), 3: (2 * e, 2, 2 * e)}
         d.touch([_key(0), _key(2), _key(4)])         # one hot record in each segment
-        # Record 6 evicts the coldest (1), which leaves segment 1 half dead: 7000 bytes of files
-        # > 6102, so the write compacts segment 1 (the most dead bytes): record 0 is re-appended
+        # Record 6 evicts the coldest (1), which leaves segment 1 half dead: 1061 dead bytes +
+        # 6102 of records > 6102, so the write compacts segment 1 (the most dead bytes): record 0 is re-appended
         # next to record 6 in segment 4 and segment 1 is unlinked.
         assert d.put_batch([_rec(6)]) == 1
-        assert d.segments() == {2: (2000, 2, 2000), 3: (2000, 2, 2000), 4: (2000, 2, 2000)}
-        assert _where(d, 6) == (4, 0) and _where(d, 0) == (4, 1000)
+        assert d.segments() == {2: (2 * e, 2, 2 * e), 3: (2 * e, 2, 2 * e), 4: (2 * e, 2, 2 * e)}
+        assert _where(d, 6) == (4, 0) and _where(d, 0) == (4, e)
         assert _ids(d.keys_by_age()) == [3, 5, 0, 2, 4, 6]     # compaction keeps the LRU order
-        assert not os.path.exists(d._seg_path(1))
+        assert not os.path.exists(d.files.path(1))
         # Each further record evicts one cold record and moves one hot one.
         for i in range(7, 12):
             assert d.put_batch([_rec(i)]) == 1
-        assert d.segments() == {7: (2000, 2, 2000), 8: (2000, 2, 2000), 9: (2000, 2, 2000)}
+        assert d.segments() == {7: (2 * e, 2, 2 * e), 8: (2 * e, 2, 2 * e), 9: (2 * e, 2, 2 * e)}
         assert _ids(d.keys_by_age()) == [6, 7, 8, 9, 10, 11]
         st = d.stats
         assert (st["evictions"], st["compactions"], st["moved_records"], st["moved_bytes"],
-                st["segments_deleted"]) == (6, 6, 6, 6000, 6)
-        assert sorted(os.listdir(d.segdir)) == [os.path.basename(d._seg_path(s)) for s in (7, 8, 9)]
+                st["segments_deleted"]) == (6, 6, 6, 6 * 1017, 6)
+        assert sorted(os.listdir(d.segdir)) == [os.path.basename(d.files.path(s)) for s in (7, 8, 9)]
         with d.reader() as get:                        # every record intact after its moves
             for i in range(6, 12):
                 assert [bytes(p) for p in get(_key(i))] == _rec(i)[1]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
 import signal
+import struct
 import time
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 from kvstrata.codecs import get_codec
 from kvstrata.pagepool import PageInfo, hash_page
 from kvstrata.tiers import DiskTier, record
-from kvstrata.tiers import disk as disk_mod
+from kvstrata.tiers import diskindex
 from kvstrata.tiers.record import build_record, check_groups, check_identity, check_payloads, parse_record
 
 from tierutil import PAGE, Stack, make_groups, page_content
@@ -57,8 +59,8 @@ def _verify_all(path) -> int:
         assert len(d.keys_by_age()) == n and d.stored_bytes() == total
         # the writer's open cut every torn tail: the files hold exactly the committed bytes
         for seg, (live, count, end) in d.segments().items():
-            assert os.path.getsize(d._seg_path(seg)) == end and count > 0
-        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d._seg_path(s))
+            assert os.path.getsize(d.files.path(seg)) == end and count > 0
+        assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d.files.path(s))
                                                       for s in d.segments())
         return n
 
@@ -125,14 +127,8 @@ def test_flipped_bytes_in_stored_records_are_all_detected(tmp_path):
     keys = s.disk.keys_by_age()
     assert len(keys) == 8
     for i, k in enumerate(keys):
-        # Alternate between the head (in LMDB) and the payloads (one per group, in a segment).
-        if i % 3 == 0:
-            with s.disk.env.begin(write=True) as txn:
-                v = bytearray(txn.get(k, db=s.disk._pages))
-                v[rng.randrange(len(v))] ^= 1 << rng.randrange(8)
-                txn.put(k, bytes(v), db=s.disk._pages)
-        else:
-            _flip_payload_bit(s.disk, k, i % 3 - 1, rng)
+        # Alternate between the head and the payloads (one per group), all in a segment.
+        _flip_part_bit(s.disk, k, i % 3, rng)
     for p in prompts:
         seq = s.run(p)
         assert seq.num_cached_tokens == 0
@@ -142,12 +138,12 @@ def test_flipped_bytes_in_stored_records_are_all_detected(tmp_path):
     s.tiers.close()
 
 
-def _flip_payload_bit(disk, h: bytes, group: int, rng) -> None:
-    """Flip one bit of group ``group``'s payload of record ``h`` in its segment file."""
-    with disk.env.begin() as txn:
-        seg, off, lens = disk_mod._loc(txn.get(h, db=disk._index))
-    pos = off + sum(lens[:group]) + rng.randrange(lens[group])
-    fd = os.open(disk._seg_path(seg), os.O_RDWR)
+def _flip_part_bit(disk, h: bytes, part: int, rng) -> None:
+    """Flip one bit of part ``part`` (0: the head, 1...: a group's payload) of record ``h`` in
+    its segment file."""
+    path, off, lens = disk.where(h)
+    pos = off + sum(lens[:part]) + rng.randrange(lens[part])
+    fd = os.open(path, os.O_RDWR)
     try:
         b = os.pread(fd, 1, pos)
         os.pwrite(fd, bytes([b[0] ^ (1 << rng.randrange(8))]), pos)
@@ -218,49 +214,55 @@ def test_record_written_under_another_namespace_is_a_miss(tmp_path):
 
 
 def _rewrite_in_old_layout(path, version: int) -> int:
-    """Turn a tier into what format ``version`` wrote: format 1, whole records in ``pages``;
-    format 2, heads in ``pages`` and each payload in ``payloads`` under hash || group; both with
-    ``(seq, bytes)`` index values and no segments. Returns the number of records."""
+    """Turn a tier into what disk format ``version`` wrote (no recorded layout, no frames):
+    1, whole records in ``pages``; 2, heads in ``pages``, payloads in ``payloads``; 3, heads in
+    ``pages``, payloads (without frames) in segment files. Returns the number of records."""
     import lmdb
     with DiskTier(path, readonly=True) as r:
         with r.reader() as get:
             recs = {k: [bytes(p) for p in get(k)] for k in r.keys_by_age()}
+    shutil.rmtree(path)
     env = lmdb.open(str(path), max_dbs=8)
-    pages, index = env.open_db(b"pages"), env.open_db(b"index")
+    pages, index, meta = env.open_db(b"pages"), env.open_db(b"index"), env.open_db(b"meta")
     payloads = env.open_db(b"payloads") if version == 2 else None
-    stale = [env.open_db(b"segs"), env.open_db(b"byseg")]
-    with env.begin(write=True) as txn:
-        for db in stale:
-            txn.drop(db, delete=True)
-        for k, parts in recs.items():
-            txn.put(k, parts[0] if version == 2 else b"".join(parts), db=pages)
+    os.makedirs(path / "segments")
+    with env.begin(write=True) as txn, open(path / "segments" / f"{1:016x}.seg", "wb") as f:
+        for seq, (k, parts) in enumerate(recs.items()):
+            txn.put(k, parts[0] if version > 1 else b"".join(parts), db=pages)
+            size = sum(map(len, parts))
             if version == 2:
                 for i, p in enumerate(parts[1:]):
                     txn.put(k + bytes((i,)), p, db=payloads)
-            txn.put(k, txn.get(k, db=index)[:16], db=index)
+            loc = b""
+            if version == 3:
+                loc = struct.pack(f"<QQ{len(parts) - 1}Q", 1, f.tell(), *map(len, parts[1:]))
+                f.write(b"".join(parts[1:]))
+            txn.put(k, struct.pack("<QQ", seq, size) + loc, db=index)
+        txn.put(b"bytes", struct.pack("<Q", sum(sum(map(len, p)) for p in recs.values())), db=meta)
     env.close()
-    shutil.rmtree(path / "segments")
     return len(recs)
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_records_of_older_formats_are_a_clean_miss(tmp_path, monkeypatch, version):
-    """Tiers written by format 1 (joined records) or 2 (payloads inside LMDB): every record reads
-    back as a lone head or whole record of an older version, a counted mismatch, deleted."""
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_tiers_of_older_layouts_are_refused_by_readers_and_moved_aside_by_writers(
+        tmp_path, caplog, version):
+    """Disk formats 1-3 kept record heads (or whole records) in LMDB, where no scan can find
+    them: readers say so in one line; a writer moves the old files aside (logged once) and
+    starts empty, so every page is a plain miss (nothing is misread)."""
     prompts = _prompts(2, 2, seed=9)
-    _fill_as_version(tmp_path, monkeypatch, version, prompts)
+    s = Stack(tmp_path)
+    _fill_disk(s, prompts)
+    s.tiers.close()
     assert _rewrite_in_old_layout(tmp_path / "disk", version) == 4
-    with DiskTier(tmp_path / "disk", readonly=True) as r:       # readers cope without segments
-        assert r._segs is None and len(r) == 4
-        with pytest.raises(record.RecordMismatch, match=f"version {version}"):
-            parse_record(next(r.iter_records())[1])
-    st = _all_miss(tmp_path, prompts)
-    assert st["mismatches"] == 2 and st["disk_pages"] == 4 - 2
-    with DiskTier(tmp_path / "disk", map_size=1 << 24) as d:    # format 2's payloads are gone
-        import lmdb
-        with pytest.raises(lmdb.NotFoundError):
-            d.env.open_db(b"payloads", create=False)
-        assert d.segments() == {}
+    with pytest.raises(ValueError, match="older kvstrata .disk layout 3 or earlier"):
+        DiskTier(tmp_path / "disk", readonly=True)
+    with caplog.at_level(logging.WARNING, "kvstrata.tiers.disk"):
+        st = _all_miss(tmp_path, prompts)
+    assert st["mismatches"] == st["checksum_failures"] == 0 and st["disk_pages"] == 0
+    moved = [r.message for r in caplog.records if "moved its files to" in r.message]
+    assert len(moved) == 1 and "old-layout-" in moved[0]
+    aside = [n for n in os.listdir(tmp_path / "disk") if n.startswith("old-layout-")]
+    assert len(aside) == 1 and "data.mdb" in os.listdir(tmp_path / "disk" / aside[0])
 
 
 def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
@@ -272,16 +274,17 @@ def test_head_without_its_payloads_is_a_counted_miss_and_deleted(tmp_path):
     with s.disk.env.begin() as txn:
         for p, prompt in enumerate(prompts):
             for i, h in enumerate(page_hashes(s.ns, prompt)):
-                where[disk_mod._loc(txn.get(h, db=s.disk._index))] = (p, i, h)
-    (seg, off, lens), (p, i, h) = max(where.items())     # the record at the end of a segment
+                where[diskindex.location(txn.get(h, db=s.disk._records))] = (p, i, h)
+    (seg, _, _), (p, i, h) = max(where.items())     # the record at the end of a segment
+    _, off, lens = s.disk.where(h)
     assert len(s.disk.segments()) == 1
-    os.truncate(s.disk._seg_path(seg), off + lens[0] + 1)        # its second payload cut short
+    os.truncate(s.disk.files.path(seg), off + lens[0] + lens[1] + 1)   # its last payload cut short
     assert s.run(prompts[p]).cached_from["lower"] == i
     st = s.tiers.stats()
     assert st["checksum_failures"] == 1 and st["mismatches"] == 0
     assert s.disk.contains([h]) == [False]
-    with s.disk.env.begin() as txn:                                   # head and index are gone
-        assert txn.get(h, db=s.disk._pages) is None
+    with s.disk.env.begin() as txn:                                   # its index entries are gone
+        assert txn.get(h, db=s.disk._records) is None
         assert txn.get(seg.to_bytes(8, "big") + h, db=s.disk._byseg) is None
     s.tiers.close()
 
@@ -321,8 +324,9 @@ def test_kill_9_between_payload_write_and_commit_leaves_a_torn_tail_that_is_igno
     with DiskTier(path, readonly=True) as r:
         (seg, (live, count, end)), = r.segments().items()
         assert count == 16 and live == end
-        torn = os.path.getsize(r._seg_path(seg)) - end
-        assert torn == sum(len(p) for _, parts in records[16:] for p in parts[1:])
+        torn = os.path.getsize(r.files.path(seg)) - end
+        assert torn == sum(diskindex.entry_bytes(len(h), [len(p) for p in parts])
+                           for h, parts in records[16:])
         with r.reader() as get:
             assert [get(h) is not None for h, _ in records] == [True] * 16 + [False] * 8
     assert _verify_all(path) == 16          # a writer's open cuts the tail (checked inside)

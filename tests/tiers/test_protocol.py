@@ -104,3 +104,18 @@ def test_an_outside_layout_moves_through_the_same_path(tmp_path):
     for gi, g in enumerate(s.groups):
         got = view.read(gi, torch.tensor([6, 0]))
         assert torch.equal(got[0], expected(hashes[0], g)) and torch.equal(got[1], expected(hashes[1], g))
+
+
+def test_write_through_flushes_pages_that_waited_past_flush_after_s(tmp_path):
+    s = Stack(tmp_path, num_pages=16, host_pages=8, write_through=True)
+    prompt = [7 * j for j in range(4 * PAGE + 1)]
+    s.tiers.flush_after_s = 3600.0
+    s.run(prompt)
+    assert len(s.disk) == 0                     # queued: fewer than a batch, not old enough
+    s.tiers.flush_after_s = 0.0
+    s.run([5 * j for j in range(2 * PAGE + 1)])
+    # the next hashed page found the queue old enough: everything queued so far was written
+    assert len(s.disk) >= 4
+    s.tiers.flush()
+    assert len(s.disk) == 6
+    s.tiers.close()

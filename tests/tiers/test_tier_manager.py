@@ -78,10 +78,12 @@ def test_corrupt_disk_page_is_a_counted_miss_and_deleted(stack):
     stack.pool.evict(stack.pool.num_cached)
     assert stack.tiers.drain_host() == 3
     h = page_hashes(stack.ns, a)
-    with stack.disk.env.begin(write=True, db=stack.disk._pages) as txn:
-        v = bytearray(txn.get(h[1]))
-        v[-3] ^= 0x10
-        txn.put(h[1], bytes(v))
+    seg_path, off, lens = stack.disk.where(h[1])
+    with open(seg_path, "r+b") as f:                # a flipped bit in the record's head
+        f.seek(off + lens[0] - 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
     seq = stack.run(a)
     assert seq.cached_from["lower"] == 1            # page 0 ok, page 1 corrupt: stop there
     st = stack.tiers.stats()

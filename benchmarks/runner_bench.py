@@ -1,0 +1,284 @@
+"""Runner benchmark (issue 13): engine steps against the read floor measured in the same run.
+
+Qwen3-8B-shaped random bf16 target (36 layers) and DFlash-b16-shaped drafter (5 layers), pool
+of page size 16, identity codecs. Sequences are admitted with random committed context (random
+K/V in the pool) and stepped exactly as the engine steps them: reserve, ``ModelRunner.execute``
+(stage, draft, verify, greedy acceptance, draft context write, one device->host copy), commit.
+
+- ``step`` rows: host wall time per step over ``--steps`` steps (the runner waits for its one
+  copy each step, so the wall time is the step's time), CUDA graphs on and off.
+- ``verify``/``draft`` rows: device time of the captured verify / draft graph alone (CUDA
+  events, median of replays).
+- floor: bytes a step must read / the device-to-device copy rate (bytes read + written per
+  second, measured first): target weights without the embedding table (only the step's rows of
+  it are read), plus for a speculative step the drafter's weights and the LM head again (the
+  draft logits), plus the K/V of every context token of every sequence (both groups).
+
+    python benchmarks/runner_bench.py --out $OUT/runner.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_bench import PRESETS, build_models  # noqa: E402
+
+from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams  # noqa: E402
+from kvstrata.runtime.runner import StepItem  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=1 << 20)
+
+
+def copy_rate() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    bw = 2 * a.numel() * 20 / (time.perf_counter() - t)
+    del a, b
+    return bw
+
+
+def nbytes(m, skip=()) -> int:
+    return sum(p.numel() * p.element_size() for n, p in m.named_parameters()
+               if not any(n.startswith(s) for s in skip))
+
+
+class Bench:
+    def __init__(self, llm: LLM, batch: int, ctx: int, tag: str):
+        self.llm, self.B = llm, llm.block_size
+        V = llm.target.config.vocab_size
+        self.keys, self.start, self.tok = [], {}, {}
+        g = torch.Generator().manual_seed(ctx + batch)
+        for i in range(batch):
+            k = (tag, batch, ctx, i)
+            toks = torch.randint(0, V - 1, (ctx,), generator=g).tolist()
+            llm.mgr.admit(k, toks, cache_salt=f"{tag}-{batch}-{ctx}-{i}")
+            llm.mgr.reserve(k, ctx)
+            llm.mgr.commit(k, toks)
+            self.keys.append(k)
+            self.start[k], self.tok[k] = ctx, toks[-1]
+
+    def items(self):
+        out = []
+        for k in self.keys:
+            self.llm.mgr.reserve(k, self.start[k] + self.B)
+            out.append(StepItem(k, self.start[k], self.B, [self.tok[k]], True, GREEDY))
+        return out
+
+    def step(self):
+        items = self.items()
+        produced = self.llm.runner.execute(items)
+        for k, new in zip(self.keys, produced):
+            commit = ([self.tok[k]] + new)[:len(new)]
+            self.llm.mgr.commit(k, commit)
+            self.start[k] += len(commit)
+            self.tok[k] = new[-1]
+        return produced
+
+    def step_ms(self, n: int) -> float:
+        self.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        return (time.perf_counter() - t) / n * 1e3
+
+    def graph_ms(self, name: str, reps: int) -> float:
+        run = self.llm.runner
+        items = self.items()
+        run._stage(items, len(items))
+        g = run.graphs[(name, len(items))]
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        times = []
+        for _ in range(reps + 2):
+            ev[0].record()
+            g.replay()
+            ev[1].record()
+            ev[1].synchronize()
+            times.append(ev[0].elapsed_time(ev[1]))
+        return statistics.median(times[2:])
+
+    def close(self):
+        for k in self.keys:
+            self.llm.mgr.free(k)
+
+
+def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
+    """Batch-1 decode attention over ``layers`` layers of ``ctx`` tokens (8 KV heads, GQA 4,
+    d 128, bf16), captured in a graph: per-layer device time with the fused single-launch
+    merge and with split + merge launches, against bytes / copy rate."""
+    from kvstrata.kernels import attention_triton as at
+    from kvstrata.kernels.attention import plan_attention
+    pages = ctx // 16
+    kv = torch.randn((pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+    bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
+    meta = plan_attention(bt, [ctx], [1], page_size=16, num_kv_heads=8)
+    q = torch.randn((1, 32, 128), dtype=torch.bfloat16, device="cuda")
+    out = {"splits": meta.num_splits}
+    for fused in (True, False):
+        def fn():
+            for layer in range(layers):
+                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088,
+                                          config=dict(FUSED_REDUCE=fused))
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ts = []
+        for _ in range(22):
+            ev[0].record()
+            g.replay()
+            ev[1].record()
+            ev[1].synchronize()
+            ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / layers)
+        out["fused_us" if fused else "split_merge_us"] = statistics.median(ts[2:])
+    out["floor_us"] = ctx * 8 * 128 * 2 * 2 / bw * 1e6
+    del kv
+    return out
+
+
+def shipped_e2e(lines: list[str], res: dict) -> None:
+    """Tokens/s of the shipped trained pair, speculative vs plain, graphs on and off."""
+    from kvstrata.assets.corpus import heldout_prompts
+    lines += ["", "| shipped pair | batch | graphs | new tokens | tokens/s | AL |",
+              "|---|---|---|---|---|---|"]
+    for b in (1, 16):
+        prompts = heldout_prompts(b, 256, seed=0)
+        sp = SamplingParams(max_tokens=256)
+        for mode in ("plain", "speculative"):
+            for graphs in (True, False):
+                cache = CacheConfig(page_size=16, max_seq_len=1024, max_batch_size=b,
+                                    target_codec="identity", draft_codec="identity")
+                llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py" if mode != "plain" else None,
+                          cache, device="cuda", runner=RunnerConfig(cuda_graphs=graphs))
+                # The same workload once untimed: every kernel shape it meets (prefill chunks,
+                # shortened last blocks) is compiled before the timed run.
+                llm.generate(prompts, sp, cache_salt="warm")
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                outs = llm.generate(prompts, sp, cache_salt=f"{mode}-{graphs}")
+                dt = time.perf_counter() - t
+                n = sum(len(o.token_ids) for o in outs)
+                als = [a for o in outs for a in o.acceptance_lengths]
+                al = sum(als) / len(als)
+                res.setdefault("e2e", []).append(dict(mode=mode, batch=b, graphs=graphs,
+                                                      tokens=n, tok_s=n / dt, al=al))
+                lines.append(f"| {mode} | {b} | {'on' if graphs else 'off'} | {n} | "
+                             f"{n / dt:.0f} | {al:.2f} |")
+                print(lines[-1], flush=True)
+                del llm
+
+
+def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
+    B = drafter.cfg.block_size if drafter is not None else 1
+    cache = CacheConfig(page_size=16, max_seq_len=max_ctx + 512, max_batch_size=batch,
+                        max_num_batched_tokens=max(2048, batch * B), target_codec="identity",
+                        draft_codec="identity")
+    llm = LLM(target, drafter, cache, device="cuda",
+              runner=RunnerConfig(cuda_graphs=graphs, batch_sizes=(batch,)))
+    for t in llm.pool.kv.values():
+        t.normal_(0, 0.5)
+    return llm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--target-layers", type=int, default=None)
+    ap.add_argument("--attn-contexts", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--e2e", action="store_true", help="also the shipped pair end to end")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    bw = copy_rate()
+    p = PRESETS["8b"]
+    target, drafter = build_models(p, "cuda", torch.bfloat16, target_layers=args.target_layers)
+    target._fingerprint = "bench-target-8b"
+    w_t = nbytes(target, skip=("embed_tokens",))
+    w_head = target.lm_head.weight.numel() * 2
+    w_d = nbytes(drafter)
+    c, dc = target.config, drafter.cfg
+    kv_t = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    kv_d = dc.num_hidden_layers * 2 * dc.num_key_value_heads * dc.head_dim * 2
+    print(f"copy rate {bw / 1e12:.3f} TB/s (read + write); target {w_t / 1e9:.2f} GB read per "
+          f"step, drafter {w_d / 1e9:.2f} GB, LM head {w_head / 1e9:.2f} GB", flush=True)
+    res = {"copy_rate_Bps": bw, "rows": []}
+    lines = ["| step | batch | context | graphs ms | eager ms | floor ms | graphs x floor |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(name, b, ctx, ms, eager, floor):
+        res["rows"].append(dict(step=name, batch=b, ctx=ctx, ms=ms, eager_ms=eager,
+                                floor_ms=floor))
+        e = f"{eager:.2f}" if eager is not None else "-"
+        lines.append(f"| {name} | {b} | {ctx} | {ms:.2f} | {e} | {floor:.2f} | "
+                     f"{ms / floor:.2f} |")
+        print(lines[-1], flush=True)
+
+    for ctx in args.attn_contexts:
+        a = decode_attention_b1(ctx, bw)
+        res.setdefault("attention_b1", {})[ctx] = a
+        print(f"decode attention b1 {ctx}: {a['splits']} splits, fused {a['fused_us']:.1f} us, "
+              f"split+merge {a['split_merge_us']:.1f} us per layer, floor {a['floor_us']:.1f} us "
+              f"(fused x floor {a['fused_us'] / a['floor_us']:.2f})", flush=True)
+    max_ctx = max(args.contexts)
+    for mode, d in (("plain", None), ("spec", drafter)):
+        for b in args.batches:
+            t0 = time.perf_counter()
+            llm = make_llm(target, d, b, max_ctx)
+            print(f"{mode} b{b}: LLM + capture {time.perf_counter() - t0:.1f} s, graph pool "
+                  f"{llm.runner.graph_pool_bytes / 2**20:.0f} MiB", flush=True)
+            for ctx in args.contexts:
+                bench = Bench(llm, b, ctx, mode)
+                kv = b * ctx * (kv_t + (kv_d if d is not None else 0))
+                floor = ((w_t + (w_d + w_head if d is not None else 0) + kv) / bw) * 1e3
+                ms = bench.step_ms(args.steps)
+                llm.runner.use_graphs = False
+                eager = bench.step_ms(max(3, args.steps // 5))
+                llm.runner.use_graphs = True
+                row(f"{mode} decode step" if d is None else "speculative step", b, ctx, ms,
+                    eager, floor)
+                if d is not None and b == 1:
+                    fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
+                    row(f"verify-{llm.block_size} (graph replay)", b, ctx,
+                        bench.graph_ms("verify", 50), None, fl_v)
+                    fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
+                    row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d)
+                bench.close()
+                del bench      # it holds the LLM: the pool must go before the next one
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    if args.e2e:
+        shipped_e2e(lines, res)
+    lines.append("")
+    lines.append(f"copy rate {bw / 1e12:.3f} TB/s (read + write), {torch.cuda.get_device_name()}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        with open(args.out + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,606 @@
+"""The model runner: the device side of one engine step (draft, verify, accept, context write).
+
+The engine (:mod:`.engine`) schedules and turns tokens into outputs; it hands the runner one
+step's items (:class:`StepItem`) and gets back, per item, the tokens the step produced as host
+lists, after ONE small device-to-host copy into pinned memory.
+
+Two paths:
+
+- **decode** (every item generates with a full block of ``B`` positions, greedy, paged drafter or
+  none): the step reads persistent device buffers (pending token, committed length and block
+  table row per sequence, split lengths of the attention plans), computes positions and slots on
+  the device, drafts ``B-1`` tokens, verifies ``B`` positions, accepts greedily, writes the draft
+  context K/V of the committed rows (slots of rejected rows are masked to -1) and leaves
+  ``[tokens..., count]`` per row in a device buffer. With CUDA graphs on, the batch is padded to
+  the next size of a ladder and two graphs per size are replayed (draft, verify); padding rows
+  carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
+  ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
+- **general** (prefill chunks, mixed steps, shortened last blocks, sampling, the arena
+  baseline): packed eager forward, as before the runner existed.
+
+Graph replay runs the same kernels with the same launch parameters on the same buffers as the
+eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..drafter import PagedDraftAttention
+from ..kernels._device import num_sms as device_num_sms
+from ..kernels.attention import AttentionMetadata, choose_num_splits, plan_attention
+from .sampling import (SamplingParams, greedy_accept, rejection_accept, sample_from,
+                       sampling_probs)
+
+#: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
+#: (overrides :attr:`RunnerConfig.cuda_graphs`).
+GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
+#: ``tokens_per_split`` of the graphs' plans is a multiple of this (every kernel tile divides it).
+_SPLIT_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Model runner settings.
+
+    Args:
+        cuda_graphs: capture the decode/verify/draft steps as CUDA graphs (CUDA only; the
+            ``KVSTRATA_CUDA_GRAPHS`` environment variable overrides it).
+        batch_sizes: the ladder of captured batch sizes (default :func:`default_ladder`); a
+            batch runs in the graph of the smallest size that holds it.
+        timing: time the draft and verify stages with CUDA events (``LLM.counters``
+            ``draft_s``/``target_s``); off by default, since reading events waits for them.
+    """
+
+    cuda_graphs: bool = True
+    batch_sizes: tuple[int, ...] | None = None
+    timing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.batch_sizes is not None:
+            sizes = tuple(self.batch_sizes)
+            if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
+                                for s in sizes):
+                raise ValueError(f"RunnerConfig.batch_sizes must be positive integers, got "
+                                 f"{self.batch_sizes!r}")
+            object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
+
+
+def graphs_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
+    """Whether this runner captures CUDA graphs (config, then the environment switch)."""
+    want = cfg.cuda_graphs
+    env = os.environ.get(GRAPHS_ENV)
+    if env is not None and env.strip():
+        v = env.strip().lower()
+        if v in ("0", "false", "off", "no"):
+            want = False
+        elif v in ("1", "true", "on", "yes"):
+            want = True
+        else:
+            raise ValueError(f"{GRAPHS_ENV}={env!r}: use 0/false/off or 1/true/on")
+    return want and device.type == "cuda"
+
+
+def default_ladder(max_batch: int) -> tuple[int, ...]:
+    """Captured batch sizes: 1, 2, 4, 8, then every 16 up to ``max_batch`` (always included)."""
+    sizes = {s for s in (1, 2, 4, 8) if s < max_batch}
+    sizes.update(range(16, max_batch, 16))
+    sizes.add(max_batch)
+    return tuple(sorted(sizes))
+
+
+def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
+    """The smallest captured size holding ``n`` sequences (``None``: larger than any)."""
+    i = bisect.bisect_left(ladder, n)
+    return ladder[i] if i < len(ladder) else None
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One scheduled sequence of a step, as the engine hands it to the runner.
+
+    Attributes:
+        seq_id: the manager's sequence id (its pages are reserved for ``start + n`` tokens).
+        start: tokens whose K/V is committed before this step (= the first position computed).
+        n: positions computed this step (decode: the verify block length; prefill: the chunk).
+        tokens: decode: ``[pending token]`` (verified, K/V not yet written); prefill: the
+            chunk's ``n`` prompt tokens.
+        decode: a generating sequence (verify block) or a prompt chunk.
+        sample: prefill only: the chunk ends the prompt, so its last row's token is sampled.
+        params, generator: the request's sampling settings and RNG (``None``: the runner's).
+        banned, banned_rows: token ids masked out of the first ``banned_rows`` rows whose
+            logits this item uses (``min_tokens``: stop ids cannot end a request early).
+    """
+
+    seq_id: object
+    start: int
+    n: int
+    tokens: list[int]
+    decode: bool
+    params: SamplingParams
+    sample: bool = False
+    generator: torch.Generator | None = None
+    banned: frozenset = frozenset()
+    banned_rows: int = 0
+
+
+@dataclass(slots=True)
+class _Plans:
+    verify: AttentionMetadata
+    block: AttentionMetadata | None
+    causal: AttentionMetadata | None
+    splits: tuple[int, int, int]
+
+
+@dataclass
+class StepTiming:
+    draft_s: float = 0.0
+    target_s: float = 0.0
+
+
+class ModelRunner:
+    """Device side of the speculative (or plain) step over the page pool.
+
+    Args:
+        target, drafter: the models (``drafter`` ``None``: plain decoding, ``B = 1``).
+        pool: the :class:`PagePool` (``target`` and, for the paged drafter, ``draft`` groups).
+        mgr: the :class:`KVCacheManager` (page tables of the admitted sequences).
+        block_size: draft block size ``B``.
+        max_batch_size, max_seq_len: sizes of the persistent buffers.
+        arena: the arena baseline's :class:`DraftArena` (general path only), or ``None``.
+        generator: RNG for requests without their own seed.
+    """
+
+    def __init__(self, target, drafter, pool, mgr, *, block_size: int, max_batch_size: int,
+                 max_seq_len: int, arena=None, generator: torch.Generator | None = None,
+                 attn_impl: str = "auto", config: RunnerConfig | None = None):
+        self.cfg = config = config if config is not None else RunnerConfig()
+        if not isinstance(config, RunnerConfig):
+            raise ValueError(f"runner config must be a RunnerConfig, got {type(config).__name__}")
+        self.target, self.drafter, self.pool, self.mgr = target, drafter, pool, mgr
+        self.arena, self.generator, self.attn_impl = arena, generator, attn_impl
+        self.device = dev = pool.device
+        self.B = B = block_size if drafter is not None else 1
+        self.P = P = pool.page_size
+        self.paged = drafter is not None and arena is None
+        self.taps = list(drafter.cfg.target_layer_ids) if drafter is not None else []
+        self.max_batch = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_pages = math.ceil(max_seq_len / P)
+        # The arena baseline's private buffers live outside the pool: always the general path.
+        self.use_graphs = graphs_enabled(config, dev) and (drafter is None or self.paged)
+        self.ladder = config.batch_sizes or default_ladder(max_batch_size)
+        if self.ladder[-1] < max_batch_size and self.use_graphs:
+            self.ladder = tuple(sorted(set(self.ladder) | {max_batch_size}))
+        # Persistent device buffers (graphs read these addresses on every replay). ``small``
+        # holds, per row, the pending token and the committed length (-1: padding row), then
+        # the three plans' split lengths; it travels in one host->device copy per step.
+        mb = max_batch_size
+        self._small = torch.zeros(2 * mb + 3, dtype=torch.int64, device=dev)
+        self.tok, self.start = self._small[:mb], self._small[mb:2 * mb]
+        self.split_tokens = self._small[2 * mb:]
+        self.block_tables = torch.zeros((mb, self.max_pages), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros((3, mb), dtype=torch.int32, device=dev)
+        self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
+        self.out = torch.zeros((mb, B + 1), dtype=torch.int32, device=dev)
+        self._offs = torch.arange(B, dtype=torch.int64, device=dev)
+        self._qsl = (torch.arange(mb + 1, dtype=torch.int32, device=dev) * B)
+        pin = dev.type == "cuda"
+        self._h_small = torch.zeros(2 * mb + 3, dtype=torch.int64, pin_memory=pin)
+        self._h_bt = torch.zeros((mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
+        self._h_out = torch.zeros((mb, B + 1), dtype=torch.int32, pin_memory=pin)
+        self._hs, self._hbt, self._ho = (self._h_small.numpy(), self._h_bt.numpy(),
+                                         self._h_out.numpy())
+        self._done = torch.cuda.Event() if dev.type == "cuda" else None
+        self._events = ([torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                        if config.timing and dev.type == "cuda" else None)
+        self._plans: dict[int, _Plans] = {}
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.graph_pool_bytes = 0
+        self.timing = StepTiming()
+        self.stats = {"decode_steps": 0, "graph_steps": 0, "general_steps": 0}
+
+    @staticmethod
+    def workspace_bytes(target, drafter, max_batch: int, block_size: int,
+                        max_tokens: int) -> int:
+        """Device memory a step's activations may take beside the pool (an upper estimate:
+        the largest step's rows through a decoder layer, its logits and the taps)."""
+        c = target.config
+        rows = max(max_batch * block_size, max_tokens)
+        item = torch.finfo(target.dtype).bits // 8
+        per_row = (item * (4 * c.hidden_size + 3 * c.intermediate_size
+                           + 2 * c.num_attention_heads * c.head_dim)
+                   + 6 * c.vocab_size)   # bf16 head output + float32 logits of verify rows
+        if drafter is not None:
+            per_row += item * len(drafter.cfg.target_layer_ids) * c.hidden_size
+        return rows * per_row + (256 << 20)
+
+    # -- plans ----------------------------------------------------------------------------------
+    def _splits(self, b: int, q: int, num_kv_heads: int) -> int:
+        return choose_num_splits(b, self.max_seq_len, num_kv_heads=num_kv_heads,
+                                 num_q_blocks=max(1, math.ceil(q / 16)),
+                                 num_sms=device_num_sms(self.device, 132), max_query_len=q)
+
+    def _meta(self, b: int, which: int, causal: bool, splits: int) -> AttentionMetadata:
+        per = math.ceil(math.ceil(self.max_seq_len / splits) / _SPLIT_ALIGN) * _SPLIT_ALIGN
+        return AttentionMetadata(
+            block_tables=self.block_tables[:b], seq_lens=self.seq_lens[which, :b],
+            query_start_loc=self._qsl[:b + 1], max_query_len=self.B,
+            max_seq_len=self.max_seq_len, causal=causal, page_size=self.P, num_splits=splits,
+            tokens_per_split=per, query_lens_host=[self.B] * b,
+            split_tokens=self.split_tokens[which:which + 1])
+
+    def plans(self, b: int) -> _Plans:
+        """The decode path's attention plans for ``b`` rows over the persistent buffers."""
+        p = self._plans.get(b)
+        if p is None:
+            hkv = self.target.config.num_key_value_heads
+            sv = self._splits(b, self.B, hkv)
+            sb = sc = 1
+            block = causal = None
+            if self.paged:
+                dh = self.drafter.cfg.num_key_value_heads
+                sb = sc = self._splits(b, self.B, dh)
+                block = self._meta(b, 1, False, sb)
+                if any(self.drafter.cfg.layer_causal):
+                    causal = self._meta(b, 2, True, sc)
+            p = self._plans[b] = _Plans(self._meta(b, 0, True, sv), block, causal, (sv, sb, sc))
+        return p
+
+    # -- entry ------------------------------------------------------------------------------------
+    def decode_ok(self, items: list[StepItem]) -> bool:
+        """Whether ``items`` take the decode path (graph or its eager twin)."""
+        if not items or len(items) > self.max_batch or (self.drafter is not None
+                                                        and not self.paged):
+            return False
+        return all(it.decode and it.n == self.B and it.params.greedy and not it.banned_rows
+                   for it in items)
+
+    @torch.inference_mode()
+    def execute(self, items: list[StepItem]) -> list[list[int]]:
+        """Run one step; per item the produced tokens (decode: accepted drafts + the bonus
+        token; prefill: ``[first token]`` when ``sample`` else ``[]``).
+
+        The draft context K/V of every accepted row is written; the engine commits (a request
+        that stops early commits fewer rows: the extra rows are hidden by its length).
+        """
+        if self.decode_ok(items):
+            return self.decode(items)
+        self.stats["general_steps"] += 1
+        return self._general(items)
+
+    # -- decode path ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, items: list[StepItem], pad_to: int | None = None) -> list[list[int]]:
+        """The decode path: stage inputs, replay (or run) draft + verify, one D2H copy.
+
+        ``pad_to`` forces the padded batch size (tests); by default graphs pad to the ladder
+        and the eager path runs the exact batch.
+        """
+        n = len(items)
+        b = pad_to or (graph_batch_size(self.ladder, n) if self.use_graphs else n)
+        if b is None or b < n or b > self.max_batch:
+            raise ValueError(f"a batch of {n} sequences does not fit {b} rows (at most "
+                             f"{self.max_batch})")
+        self._stage(items, b)
+        ev = self._events
+        if ev is not None:
+            ev[0].record()
+        use = self.use_graphs and ("verify", b) in self.graphs
+        if self.drafter is not None:
+            self.graphs[("draft", b)].replay() if use else self._draft_fn(b)
+        if ev is not None:
+            ev[1].record()
+        self.graphs[("verify", b)].replay() if use else self._verify_fn(b)
+        if ev is not None:
+            ev[2].record()
+        self.stats["decode_steps"] += 1
+        self.stats["graph_steps"] += int(use)
+        res = self._fetch(b)
+        B = self.B
+        return [res[i, :res[i, B]].tolist() for i in range(n)]
+
+    def _stage(self, items: list[StepItem], b: int) -> None:
+        """Host side of a decode step: pending tokens, lengths, block tables and split lengths
+        into pinned staging, then two asynchronous copies into the persistent buffers."""
+        mb, hs, hbt = self.max_batch, self._hs, self._hbt
+        seqs = self.mgr.seqs
+        top = 0
+        for i, it in enumerate(items):
+            pages = seqs[it.seq_id].page_ids
+            hbt[i, :len(pages)] = pages
+            hs[i] = it.tokens[-1]
+            hs[mb + i] = it.start
+            top = max(top, it.start)
+        hs[len(items):b] = 0
+        hs[mb + len(items):mb + b] = -1      # padding rows: slot -1, length 0
+        sv, sb, sc = self.plans(b).splits
+        for j, (s, longest) in enumerate(((sv, top + self.B), (sb, top), (sc, top + self.B))):
+            per = math.ceil(max(longest, 1) / s)
+            hs[2 * mb + j] = math.ceil(per / _SPLIT_ALIGN) * _SPLIT_ALIGN
+        self._small.copy_(self._h_small, non_blocking=True)
+        self.block_tables[:b].copy_(self._h_bt[:b], non_blocking=True)
+
+    def _fetch(self, b: int) -> np.ndarray:
+        """The step's one device->host copy (tokens and counts) and the wait for it."""
+        self._h_out[:b].copy_(self.out[:b], non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
+            if self._events is not None:
+                e = self._events
+                self.timing.draft_s += e[0].elapsed_time(e[1]) / 1e3
+                self.timing.target_s += e[1].elapsed_time(e[2]) / 1e3
+        return self._ho[:b]
+
+    def _positions(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Positions ``[b*B]``, slots ``[b, B]`` (-1 on padding rows), the valid-row mask and
+        the clamped committed lengths, all computed on the device."""
+        start = self.start[:b]
+        valid = start >= 0
+        s0 = start.clamp_min(0)
+        pos = s0[:, None] + self._offs[None, :]
+        page = torch.gather(self.block_tables[:b], 1, pos // self.P).to(torch.int64)
+        slots = torch.where(valid[:, None], page * self.P + pos % self.P, -1)
+        return pos.reshape(-1), slots, valid, s0
+
+    def _draft_fn(self, b: int) -> None:
+        """Draft ``B-1`` greedy tokens per row into ``self.drafts`` (captured as a graph)."""
+        d, cfg, B = self.drafter, self.drafter.cfg, self.B
+        pos, slots, valid, s0 = self._positions(b)
+        plans = self.plans(b)
+        self.seq_lens[1, :b].copy_(s0)
+        if plans.causal is not None:
+            self.seq_lens[2, :b].copy_(torch.where(valid, s0 + B, 0))
+        ids = torch.full((b, B), cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = self.tok[:b]
+        noise = self.target.embed(ids.reshape(-1))
+        if cfg.input_embedding_scale != 1.0:
+            noise = noise * cfg.input_embedding_scale
+        attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block,
+                                              plans.causal, slots.reshape(-1),
+                                              impl=self.attn_impl)
+        h = d(noise, pos, attn).view(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
+        self.drafts[:b, :B - 1].copy_(
+            self._greedy(h.to(self.target.dtype), drafter=True).view(b, B - 1))
+
+    def _verify_fn(self, b: int) -> None:
+        """Verify ``B`` positions per row, accept greedily, write the draft context of the
+        committed rows; leaves ``[target tokens, count]`` in ``self.out`` (captured)."""
+        B = self.B
+        pos, slots, valid, s0 = self._positions(b)
+        plans = self.plans(b)
+        self.seq_lens[0, :b].copy_(torch.where(valid, s0 + B, 0))
+        if self.drafter is not None:
+            ids = torch.cat([self.tok[:b, None], self.drafts[:b, :B - 1]], 1)
+        else:
+            ids = self.tok[:b, None]
+        hidden, cap = self.target(ids.reshape(-1), pos, plans.verify, slots.reshape(-1),
+                                  self.pool.kv["target"], capture_layers=self.taps,
+                                  attn_impl=self.attn_impl)
+        tgt = self._greedy(hidden).view(b, B)
+        if self.drafter is not None:
+            # Drafts equal the target's tokens up to the first mismatch, so the produced tokens
+            # are the target's first acc + 1; their inputs (rows 0..acc) are committed.
+            acc = (self.drafts[:b, :B - 1] == tgt[:, :-1]).to(torch.int32).cumprod(1).sum(1)
+            keep = self._offs[None, :] <= acc[:, None]
+            self.drafter.write_context(torch.cat(cap, -1), pos,
+                                       torch.where(keep, slots, -1).reshape(-1),
+                                       self.pool.kv["draft"], impl=self.attn_impl)
+            self.out[:b, B].copy_(acc + 1)
+        else:
+            self.out[:b, B].fill_(1)
+        self.out[:b, :B].copy_(tgt)
+
+    def _greedy(self, hidden: Tensor, drafter: bool = False) -> Tensor:
+        """Argmax token of each row's logits (``[T, hidden]`` -> ``[T]`` int64).
+
+        The argmax of the bf16/fp16 head output equals the argmax of its float32 upcast
+        (``compute_logits``), so the float32 logits are only built when the drafter
+        rescales them.
+        """
+        t = self.target
+        if drafter:
+            c = self.drafter.cfg
+            if c.output_multiplier != 1.0 or c.final_logit_softcapping:
+                return self.drafter.postprocess_logits(t.compute_logits(hidden)).argmax(-1)
+        w = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).argmax(-1)
+
+    # -- CUDA graphs --------------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Capture draft and verify graphs for every ladder size, largest first, into one
+        memory pool (``graph_pool_bytes`` says how much it took)."""
+        if not self.use_graphs or self.graphs:
+            return
+        mb = self.max_batch
+        self._hs[:mb] = 0
+        self._hs[mb:2 * mb] = -1                      # every row padding: nothing is written
+        self._hs[2 * mb:] = _SPLIT_ALIGN
+        self._small.copy_(self._h_small)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        with torch.inference_mode():
+            for b in sorted(self.ladder, reverse=True):
+                stages = [("verify", self._verify_fn)]
+                if self.drafter is not None:
+                    stages.insert(0, ("draft", self._draft_fn))
+                for name, fn in stages:
+                    # Warm-up outside capture: Triton compiles, the split counters exist.
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        fn(b)
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool, stream=stream):
+                        fn(b)
+                    pool = g.pool() if pool is None else pool
+                    self.graphs[(name, b)] = g
+        torch.cuda.synchronize(self.device)
+        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+
+    # -- general path ---------------------------------------------------------------------------
+    def _general(self, items: list[StepItem]) -> list[list[int]]:
+        """Prefill chunks, mixed steps, short blocks, sampling, the arena: packed and eager."""
+        t0 = time.perf_counter() if self._events is not None else 0.0
+        drafts = self._draft_general(items) if self.drafter is not None else {}
+        if self._events is not None:
+            torch.cuda.synchronize(self.device)
+            t1 = time.perf_counter()
+            self.timing.draft_s += t1 - t0
+        inputs = [it.tokens + drafts.get(i, ([], None))[0] if it.decode else it.tokens
+                  for i, it in enumerate(items)]
+        hidden, taps, pos_t, slots_t = self._target_forward(items, inputs)
+        out, rows = self._accept(items, inputs, drafts, hidden)
+        self._write_context(items, rows, taps, pos_t, slots_t)
+        if self._events is not None:
+            torch.cuda.synchronize(self.device)
+            self.timing.target_s += time.perf_counter() - t1
+        return out
+
+    def _draft_general(self, items: list[StepItem]) -> dict:
+        """Draft tokens (and their sampling distributions) for decode blocks longer than one."""
+        sel = [i for i, it in enumerate(items) if it.decode and it.n > 1]
+        if not sel:
+            return {}
+        d, cfg, dev = self.drafter, self.drafter.cfg, self.device
+        ids, pos, rows = [], [], []
+        for i in sel:
+            it = items[i]
+            rows += range(len(ids) + 1, len(ids) + it.n)
+            ids += [it.tokens[-1]] + [cfg.mask_token_id] * (it.n - 1)
+            pos += range(it.start, it.start + it.n)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+        noise = self.target.embed(ids_t)
+        if cfg.input_embedding_scale != 1.0:
+            noise = noise * cfg.input_embedding_scale
+        keys = [items[i].seq_id for i in sel]
+        starts = [items[i].start for i in sel]
+        qlens = [items[i].n for i in sel]
+        if self.paged:
+            bt, _ = self.mgr.block_tables(keys)
+            slots = [s for i in sel for s in self.mgr.slots(items[i].seq_id, items[i].start,
+                                                            items[i].start + items[i].n)]
+            attn = PagedDraftAttention(d, self.pool.kv["draft"], bt, starts, qlens,
+                                       torch.tensor(slots, dtype=torch.int64, device=dev),
+                                       self.P, impl=self.attn_impl)
+        else:
+            attn = self.arena.attention(keys, starts, qlens)
+        hidden = d(noise, pos_t, attn)
+        h = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)].to(self.target.dtype)
+        logits = d.postprocess_logits(self.target.compute_logits(h))
+        greedy = logits.argmax(-1).tolist()
+        out, at = {}, 0
+        for i in sel:
+            it, k = items[i], items[i].n - 1
+            sp = it.params
+            if sp.greedy:
+                out[i] = (greedy[at:at + k], None)
+            else:
+                probs = sampling_probs(logits[at:at + k], sp.temperature, sp.top_p, sp.top_k)
+                toks = sample_from(probs, it.generator or self.generator)
+                out[i] = (toks.tolist(), probs)
+            at += k
+        return out
+
+    def _target_forward(self, items, inputs) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+        """Hidden states, concatenated taps, positions and slots of the packed step's rows."""
+        dev = self.device
+        ids, pos, slots, qlens, slens = [], [], [], [], []
+        for it, toks in zip(items, inputs):
+            s, n = it.start, it.n
+            ids += toks
+            pos += range(s, s + n)
+            slots += self.mgr.slots(it.seq_id, s, s + n)
+            qlens.append(n)
+            slens.append(s + n)
+        bt, sl = self.mgr.block_tables([it.seq_id for it in items], seq_lens=slens)
+        meta = plan_attention(bt, sl, qlens, page_size=self.P, causal=True,
+                              seq_lens_host=slens,
+                              num_kv_heads=self.target.config.num_key_value_heads)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        hidden, cap = self.target(
+            torch.tensor(ids, dtype=torch.int64, device=dev), pos_t, meta, slots_t,
+            self.pool.kv["target"], capture_layers=self.taps, attn_impl=self.attn_impl)
+        return hidden, (torch.cat(cap, dim=-1) if cap else None), pos_t, slots_t
+
+    def _accept(self, items, inputs, drafts, hidden: Tensor) -> tuple[list[list[int]], list]:
+        """Per item the produced tokens, and ``(first row, rows to commit)`` per item."""
+        dev = self.device
+        need, at, mask = [], 0, []  # rows whose logits we need: verify rows, a prompt's last
+        for it in items:
+            if it.banned_rows:
+                mask.append((len(need), it.banned_rows, sorted(it.banned)))
+            if it.decode:
+                need += range(at, at + it.n)
+            elif it.sample:
+                need.append(at + it.n - 1)
+            at += it.n
+        logits = self.target.compute_logits(
+            hidden[torch.tensor(need, dtype=torch.int64, device=dev)])
+        for row, k, ids in mask:
+            logits[row:row + k, torch.tensor(ids, dtype=torch.int64, device=dev)] = float("-inf")
+        greedy = logits.argmax(-1).tolist() if need else []
+        out, rows, li, at = [], [], 0, 0
+        for i, it in enumerate(items):
+            sp, gen = it.params, it.generator or self.generator
+            if it.decode:
+                n = it.n
+                dr, dprobs = drafts.get(i, ([], None))
+                if sp.greedy:
+                    acc, bonus = greedy_accept(dr, greedy[li:li + n])
+                else:
+                    tp = sampling_probs(logits[li:li + n], sp.temperature, sp.top_p, sp.top_k)
+                    d_t = torch.tensor(dr, dtype=torch.int64, device=dev)
+                    acc, bonus = rejection_accept(d_t, tp, tp[:0] if dprobs is None else dprobs,
+                                                  gen)
+                li += n
+                out.append(dr[:acc] + [bonus])
+                rows.append((at, acc + 1))
+            else:
+                first = []
+                if it.sample:
+                    if sp.greedy:
+                        first = [greedy[li]]
+                    else:
+                        probs = sampling_probs(logits[li], sp.temperature, sp.top_p, sp.top_k)
+                        first = [int(sample_from(probs, gen))]
+                    li += 1
+                out.append(first)
+                rows.append((at, it.n))
+            at += it.n
+        return out, rows
+
+    def _write_context(self, items, rows, taps: Tensor | None, pos_t: Tensor,
+                       slots_t: Tensor) -> None:
+        """Draft context K/V of the rows to commit (both groups are written before commit)."""
+        if self.drafter is None:
+            return
+        dev = self.device
+        idx = []
+        for it, (at, m) in zip(items, rows):
+            if self.paged:
+                idx += range(at, at + m)
+            elif m:
+                self.arena.append(it.seq_id, taps[at:at + m],
+                                  torch.arange(it.start, it.start + m, device=dev))
+        if self.paged and idx:
+            i = torch.tensor(idx, dtype=torch.int64, device=dev)
+            self.drafter.write_context(taps[i], pos_t[i], slots_t[i], self.pool.kv["draft"],
+                                       impl=self.attn_impl)
+
+
+__all__ = ["GRAPHS_ENV", "ModelRunner", "RunnerConfig", "StepItem", "graph_batch_size",
+           "default_ladder", "graphs_enabled"]

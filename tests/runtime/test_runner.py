@@ -1,0 +1,175 @@
+"""Model runner on the CPU: graph batch size choice, padding rows, persistent buffers reused across steps of
+changing batch composition (decode path == general path), the graphs switch, incremental hashing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from kvstrata.pagepool.hashing import Namespace, page_hashes
+from kvstrata.pagepool.manager import KVCacheManager
+from kvstrata.pagepool.pool import PagePool
+from kvstrata.pagepool.spec import KVGroupSpec
+from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
+from kvstrata.runtime.runner import (GRAPHS_ENV, StepItem, graph_batch_size, default_ladder,
+                                     graphs_enabled)
+
+PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [
+    [(11 * i + 5) % 290 for i in range(n)] for n in (3, 17)]
+
+
+def test_ladder_and_graph_batch_size():
+    assert default_ladder(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert default_ladder(20) == (1, 2, 4, 8, 16, 20)
+    assert default_ladder(1) == (1,)
+    lad = (1, 2, 4, 8, 16, 32)
+    assert [graph_batch_size(lad, n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == \
+        [1, 2, 4, 8, 8, 16, 32, 32]
+    assert graph_batch_size(lad, 33) is None
+    assert RunnerConfig(batch_sizes=(8, 1, 8, 4)).batch_sizes == (1, 4, 8)
+    with pytest.raises(ValueError, match="positive integers"):
+        RunnerConfig(batch_sizes=(0, 2))
+
+
+def test_graph_switch_config_and_environment(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert graphs_enabled(RunnerConfig(), cuda)
+    assert not graphs_enabled(RunnerConfig(cuda_graphs=False), cuda)
+    assert not graphs_enabled(RunnerConfig(), cpu)          # graphs are CUDA only
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    assert not graphs_enabled(RunnerConfig(), cuda)
+    monkeypatch.setenv(GRAPHS_ENV, "on")
+    assert graphs_enabled(RunnerConfig(cuda_graphs=False), cuda)
+    monkeypatch.setenv(GRAPHS_ENV, "maybe")
+    with pytest.raises(ValueError, match=GRAPHS_ENV):
+        graphs_enabled(RunnerConfig(), cuda)
+
+
+def _llm(ckpts, **kw):
+    cache = CacheConfig(page_size=4, max_seq_len=96, max_batch_size=8, target_codec="identity",
+                        draft_codec="identity")
+    return LLM(ckpts["agree"][0], ckpts["drafter"][0], cache, **kw)
+
+
+def _decode_items(reqs, llm):
+    return [StepItem(r.rid_key, r.num_computed, llm.block_size, [r.tokens[-1]], True, r.params)
+            for r in reqs]
+
+
+def _snapshot(llm):
+    return {k: v.clone() for k, v in llm.pool.kv.items()}
+
+
+def _twice(llm, reqs, first, second):
+    """Reserve the block of every request, run ``first(items)`` and, on the pool as it was
+    before, ``second(items)``; returns both outputs, the K/V after ``first`` and the pool
+    before both (the pool is left as ``second`` wrote it)."""
+    items = _decode_items(reqs, llm)
+    for r, it in zip(reqs, items):
+        llm.mgr.reserve(r.rid_key, it.start + it.n)
+    snap = _snapshot(llm)
+    a = first(items)
+    kv_a = _snapshot(llm)
+    for k, v in snap.items():
+        llm.pool.kv[k].copy_(v)
+    return a, second(items), kv_a, snap
+
+
+def test_padding_rows_change_nothing(ckpts):
+    """A batch of 3 padded to 8 rows: the same tokens as unpadded, and the padding rows write
+    no K/V anywhere (slot -1, length 0)."""
+    llm = _llm(ckpts)
+    reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=30))
+    exact, padded, kv_exact, snap = _twice(llm, reqs, llm.runner.decode,
+                                           lambda items: llm.runner.decode(items, pad_to=8))
+    assert padded == exact
+    assert all(1 <= len(t) <= llm.block_size for t in exact)
+    # Rows the three sequences own may differ in the last bits (different matmul shapes);
+    # every other page is untouched.
+    own = {p for r in reqs for p in llm.mgr.seqs[r.rid_key].page_ids}
+    others = [p for p in range(llm.pool.num_pages) if p not in own]
+    for g in llm.pool.kv:
+        assert torch.equal(llm.pool.kv[g][others], snap[g][others])
+        torch.testing.assert_close(llm.pool.kv[g], kv_exact[g], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="does not fit 2 rows"):
+        llm.runner.decode(_decode_items(reqs, llm), pad_to=2)
+    for r in reqs:
+        llm.release(r)
+
+
+def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
+    """Steps of 3, then 2 (other order), then 1 sequence through the persistent buffers give the
+    tokens and K/V of the packed general path on the same inputs, step by step."""
+    llm = _llm(ckpts)
+    reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=40))
+    by = {r.rid: r for r in reqs}
+    for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
+        rs = [by[i] for i in order]
+        general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
+                                              lambda items: llm.runner.decode(items, pad_to=4))
+        assert fast == general, f"order {order}"
+        for g in llm.pool.kv:
+            torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
+        for r, new in zip(rs, fast):           # commit as the engine does
+            commit = ([r.tokens[-1]] + new)[:len(new)]
+            llm.mgr.commit(r.rid_key, commit)
+            r.num_computed += len(commit)
+            r.tokens.extend(new)
+    assert llm.runner.stats["decode_steps"] == 5
+
+
+def test_engine_takes_the_decode_path_and_times_only_on_request(ckpts):
+    llm = _llm(ckpts)
+    sp = SamplingParams(max_tokens=30)
+    outs = llm.generate(PROMPTS[:2], sp)
+    st_ = llm.stats()
+    assert st_["runner"]["decode_steps"] > 0 and st_["runner"]["general_steps"] > 0
+    assert st_["runner"]["cuda_graphs"] is False
+    assert st_["engine"]["draft_s"] == 0.0 and st_["engine"]["step_s"] > 0
+    ref = _llm(ckpts, runner=RunnerConfig(cuda_graphs=False)).generate(PROMPTS[:2], sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def _manager(P=4):
+    spec = KVGroupSpec("target", 1, 1, 16, torch.float32, "identity")
+    pool = PagePool([spec], 64, P, "cpu")
+    return KVCacheManager(pool, Namespace("t", (spec,), P))
+
+
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=30), st.integers(1, 12))
+def test_incremental_hashing_equals_hashing_from_scratch(chunks, prompt_len):
+    mgr = _manager()
+    prompt = [(5 * i + 1) % 97 for i in range(prompt_len)]
+    mgr.admit("s", prompt)
+    mgr.reserve("s", 250)
+    toks = list(prompt)
+    mgr.commit("s", prompt)
+    for c in chunks:
+        new = [(3 * len(toks) + j) % 101 for j in range(c)]
+        note(f"commit {new}")
+        mgr.commit("s", new)
+        toks += new
+        seq = mgr.seqs["s"]
+        assert seq.hashes == page_hashes(seq.namespace, toks)
+        for i, h in enumerate(seq.hashes):
+            assert mgr.pool.lookup(h) == seq.page_ids[i]
+
+
+def test_commit_hashes_only_new_pages(monkeypatch):
+    """A commit's hashing reads the unhashed tail only: its cost does not grow with the
+    sequence."""
+    import kvstrata.pagepool.hashing as hashing
+    mgr = _manager()
+    mgr.admit("s", [1] * 3)
+    mgr.reserve("s", 250)
+    mgr.commit("s", [1] * 3)
+    seen = []
+    real = hashing.tokens_to_bytes
+    monkeypatch.setattr(hashing, "tokens_to_bytes", lambda t: seen.append(len(t)) or real(t))
+    for i in range(200):
+        mgr.commit("s", [i % 50])
+    assert len(mgr.seqs["s"].hashes) == 203 // 4
+    assert max(seen) <= 4        # never more than one page of tokens per one-token commit
