@@ -9,7 +9,8 @@ import torch
 from kvstrata.codecs import get_codec
 from kvstrata.integrations import PageStore, StoreConfig
 from kvstrata.integrations.config import acquire_store, open_tiers, release_store
-from kvstrata.pagepool import KVGroupSpec, Namespace, PageInfo, page_hashes
+from kvstrata.pagepool import KVGroupSpec, Namespace
+from kvstrata.testing.tiers import chain
 from kvstrata.pagepool.view import PAGE_MAJOR, GroupView, PoolView
 
 P = 16
@@ -25,12 +26,6 @@ def view(n: int, seed: int | None = None) -> PoolView:
     return PoolView(tuple(GroupView(s, PAGE_MAJOR, (kv[s.name],)) for s in GROUPS), n, P)
 
 
-def infos(ns: Namespace, tokens: list[int]) -> list[PageInfo]:
-    hs = page_hashes(ns, tokens)
-    return [PageInfo(i, h, hs[i - 1] if i else ns.digest, tuple(tokens[i * P:(i + 1) * P]))
-            for i, h in enumerate(hs)]
-
-
 def disk_store(path, ns: Namespace = NS, **cfg) -> PageStore:
     return PageStore(ns, open_tiers(StoreConfig(disk_path=str(path), disk_bytes=16 << 20, **cfg),
                                     ns))
@@ -43,12 +38,9 @@ def store(tmp_path):
     s.close()
 
 
-TOKENS = list(range(100, 100 + 4 * P + 5))     # 4 full pages and a partial one
-
-
 def test_round_trip_with_per_group_codecs(store):
     src, dst = view(4, seed=0), view(4)
-    pages = infos(NS, TOKENS)
+    pages = chain(NS, 4, P)
     assert store.save(src, [0, 1, 2, 3], pages) == [True] * 4
     assert store.lookup([p.hash for p in pages]) == 4
     assert store.load(dst, [3, 2, 1, 0], pages) == 4
@@ -63,7 +55,7 @@ def test_round_trip_with_per_group_codecs(store):
 
 
 def test_lookup_is_the_longest_prefix(store):
-    pages = infos(NS, TOKENS)
+    pages = chain(NS, 4, P)
     store.save(view(4, seed=1), [0, 1, 3], [pages[0], pages[1], pages[3]])
     assert store.lookup([p.hash for p in pages]) == 2          # page 2 is missing
     dst = view(4)
@@ -72,10 +64,10 @@ def test_lookup_is_the_longest_prefix(store):
 
 
 def test_salt_and_model_change_every_key(store):
-    pages = infos(NS, TOKENS)
+    pages = chain(NS, 4, P)
     store.save(view(4, seed=2), [0, 1, 2, 3], pages)
     for other in (NS.with_salt("tenant"), Namespace("model-b", GROUPS, P)):
-        assert store.lookup([p.hash for p in infos(other, TOKENS)]) == 0
+        assert store.lookup([p.hash for p in chain(other, 4, P)]) == 0
 
 
 def test_a_record_under_another_namespace_is_a_miss(tmp_path):
@@ -83,7 +75,7 @@ def test_a_record_under_another_namespace_is_a_miss(tmp_path):
     shared tier misused) fails the namespace check, is counted and deleted."""
     other = Namespace("model-b", GROUPS, P)
     a = disk_store(tmp_path / "disk")
-    pages = infos(NS, TOKENS)
+    pages = chain(NS, 4, P)
     b_store = PageStore(other, a.tiers)        # same tier, other namespace
     b_store.save(view(4, seed=3), [0], pages[:1])
     assert a.lookup([pages[0].hash]) == 1      # the key is there...
@@ -98,7 +90,7 @@ def test_corrupt_in_one_tier_is_read_from_the_next_and_promoted(tmp_path):
     slow = open_tiers(StoreConfig(disk_path=str(tmp_path / "slow"), disk_bytes=16 << 20), NS)
     store = PageStore(NS, fast + slow)
     src = view(2, seed=4)
-    pages = infos(NS, TOKENS)[:2]
+    pages = chain(NS, 4, P)[:2]
     assert store.save(src, [0, 1], pages) == [True, True]
     # flip a payload byte of page 1 in the fast tier only
     seg = sorted((tmp_path / "fast" / "segments").glob("*.seg"))[-1]
@@ -120,7 +112,7 @@ def test_corrupt_in_one_tier_is_read_from_the_next_and_promoted(tmp_path):
 def test_an_unencodable_page_is_not_stored(store):
     src = view(2, seed=5)
     src.groups[0].tensors[0][1, 0, 0, 0, 0, 0] = float("nan")    # NVFP4 refuses non-finite
-    pages = infos(NS, TOKENS)[:2]
+    pages = chain(NS, 4, P)[:2]
     assert store.save(src, [0, 1], pages) == [True, False]
     assert store.counters["unencodable_pages"] == 1
     assert store.lookup([p.hash for p in pages]) == 1
@@ -155,7 +147,7 @@ def test_host_tier_in_front_of_disk(tmp_path):
     cfg = dict(disk_path=str(tmp_path / "disk"), disk_bytes=16 << 20, host_bytes=4 << 20)
     store = PageStore(NS, open_tiers(StoreConfig(**cfg), NS))
     src = view(3, seed=6)
-    pages = infos(NS, TOKENS)[:3]
+    pages = chain(NS, 4, P)[:3]
     assert store.save(src, [0, 1, 2], pages) == [True] * 3
     host, disk = store.tiers
     assert host.name == "host" and host.exists([p.hash for p in pages]) == [True] * 3
@@ -184,7 +176,7 @@ def test_two_engines_share_pages_through_the_remote_tier(redis_url):
     a = PageStore(ns, open_tiers(StoreConfig(remote_url=redis_url), ns))
     b = PageStore(ns, open_tiers(StoreConfig(remote_url=redis_url), ns))
     src = view(2, seed=7)
-    pages = infos(ns, TOKENS)[:2]
+    pages = chain(ns, 4, P)[:2]
     assert a.save(src, [0, 1], pages) == [True, True]
     assert b.lookup([p.hash for p in pages]) == 2
     dst = view(2)
@@ -192,7 +184,7 @@ def test_two_engines_share_pages_through_the_remote_tier(redis_url):
     assert torch.equal(dst.read(1, torch.arange(2)), src.read(1, torch.arange(2)))
     other = Namespace("model-s", GROUPS, P)
     c = PageStore(other, open_tiers(StoreConfig(remote_url=redis_url), other))
-    assert c.lookup([p.hash for p in infos(other, TOKENS)[:2]]) == 0
+    assert c.lookup([p.hash for p in chain(other, 4, P)[:2]]) == 0
     for s in (a, b, c):
         s.close()
 
@@ -203,7 +195,7 @@ def test_an_unreachable_remote_leaves_no_tier(caplog):
     tiers = open_tiers(StoreConfig(remote_url=f"redis://127.0.0.1:{free_port()}/0"), ns)
     assert tiers == []
     store = PageStore(ns, tiers)
-    pages = infos(ns, TOKENS)[:1]
+    pages = chain(ns, 4, P)[:1]
     assert store.lookup([pages[0].hash]) == 0 and store.save(view(1, seed=8), [0], pages) == [False]
 
 
