@@ -140,8 +140,8 @@ def test_a_flipped_byte_is_a_failed_load_then_a_recompute(llm, disk):
     assert delta(before)["loaded_pages"] == 3
 
 
-def run_new_process(extra: dict, prompts: list[list[int]], runs: int = 1) -> list[dict]:
-    args = {"extra": extra, "prompts": prompts, "runs": runs}
+def run_new_process(extra: dict, prompts: list[list[int]], runs: int = 1, **more) -> list[dict]:
+    args = {"extra": extra, "prompts": prompts, "runs": runs, **more}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH",
                                                                                   "")]))
     out = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), json.dumps(args)],
@@ -174,3 +174,18 @@ def test_nvfp4_pages(tmp_path, llm):
     per_page = first["stats"]["saved_bytes"] / first["stats"]["saved_pages"]
     # 4 bits per value + an E4M3 scale per 16 values + the header: ~4.6 bits instead of 32
     assert raw / 7.5 < per_page < raw / 6.5, (raw, per_page)
+
+
+def test_preempted_requests_resume_from_their_saved_blocks(tmp_path, llm):
+    """Eight 32-token blocks for three requests that grow to 99 tokens: vLLM preempts. The full
+    blocks a preempted request had were saved in the steps that filled them, so when it resumes
+    its prefix comes back from kvstrata (the new process's disk tier starts empty and the prompts
+    share no block: every load is a resumption), and its tokens equal an undisturbed run's."""
+    prompts = [prompt(i)[:40] for i in (0, 1, 5)]
+    alone = [generate(llm, [p], ["preempt"], max_tokens=60)[0][0] for p in prompts]
+    (res,) = run_new_process({"disk_path": str(tmp_path / "pre"), "disk_bytes": 64 << 20},
+                             prompts, salts=["preempt"] * 3, max_tokens=60,
+                             llm={"num_gpu_blocks_override": 8, "max_model_len": 224,
+                                  "max_num_seqs": 3})
+    assert res["tokens"] == alone
+    assert res["stats"]["loaded_pages"] > 0 and res["stats"]["corrupt_records"] == 0

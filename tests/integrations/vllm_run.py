@@ -4,7 +4,7 @@ As a module: :func:`make_llm` builds the engine in this process and :func:`gener
 generations. As a script (a *new process*)::
 
     python vllm_run.py '{"extra": {...}, "prompts": [[...]], "salts": [null], "max_tokens": 24,
-                         "runs": 1}'
+                         "runs": 1, "llm": {...}}'
 
 runs the prompts ``runs`` times and prints one JSON line ``{"runs": [{"tokens": [[...]],
 "cached": [n, ...], "stats": {...}}, ...]}`` (``cached``: vLLM's own
@@ -35,7 +35,7 @@ def model_dir() -> str:
     return str(resolve_model("kvstrata-tiny-py/target"))
 
 
-def make_llm(extra: dict):
+def make_llm(extra: dict, **overrides):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -43,10 +43,11 @@ def make_llm(extra: dict):
                            kv_connector_module_path="kvstrata.integrations.vllm",
                            kv_role="kv_both", kv_load_failure_policy="recompute",
                            kv_connector_extra_config=extra)
-    return LLM(model=model_dir(), skip_tokenizer_init=True, dtype="float32", block_size=BLOCK,
-               max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512,
-               enforce_eager=True, enable_prefix_caching=False, seed=0,
-               kv_transfer_config=ktc)
+    kw = dict(model=model_dir(), skip_tokenizer_init=True, dtype="float32", block_size=BLOCK,
+              max_model_len=512, max_num_seqs=4, max_num_batched_tokens=512,
+              enforce_eager=True, enable_prefix_caching=False, seed=0, kv_transfer_config=ktc)
+    kw.update(overrides)
+    return LLM(**kw)
 
 
 def generate(llm, prompts: list[list[int]], salts: list[str | None] | None = None,
@@ -75,7 +76,7 @@ def connector():
 
 if __name__ == "__main__":
     args = json.loads(sys.argv[1])
-    llm = make_llm(args["extra"])
+    llm = make_llm(args["extra"], **args.get("llm", {}))
     runs = []
     for _ in range(args.get("runs", 1)):
         tokens, cached = generate(llm, args["prompts"], args.get("salts"),
