@@ -217,4 +217,10 @@ class KVStrataHiCacheStorage(HiCacheStorage):
             "configured prefix) to drop them")
 
     def get_stats(self):
-        return None if self.store is None else self.store.stats()
+        # SGLang's storage metrics take its own StorageMetrics (transfer sizes and bandwidths it
+        # measures itself); None lets it fill those in. kvstrata's counters: stats().
+        return None
+
+    def stats(self) -> dict:
+        """Counters of the store (``loaded_pages``, ``corrupt_records``, ...) and its tiers."""
+        return {} if self.store is None else self.store.stats()
