@@ -28,7 +28,7 @@ engines="${KVSTRATA_ENGINES:-1}"
 want="$(cat pyproject.toml constraints.txt scripts/requirements-engines.txt | sha256sum | cut -c1-16)-$engines"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,ref]"
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,ref,serve]"
   # The DFlash reference (a test oracle) pins datasets/requests it never imports for
   # `dflash.model`; install it alone so the test env stays light.
   .venv/bin/python -m pip install -q --no-deps -c constraints.txt dflash

@@ -1,6 +1,7 @@
 """DESIGN.md's layering, enforced: a module imports only from its own layer or the layers below.
 
-kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo, testing, cli);
+kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo, testing) < serve
+< cli < __main__ (``python -m kvstrata``);
 ``integrations`` (vLLM / SGLang) ranks with the top layers but uses only tiers, pagepool and codecs
 (never the runtime); no module outside it may import vllm or sglang.
 ``dtypes`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
@@ -16,7 +17,7 @@ import kvstrata
 ROOT = Path(kvstrata.__file__).resolve().parent
 RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
         "pagepool": 4, "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8,
-        "demo": 8, "testing": 8, "integrations": 8, "cli": 9, "__main__": 10}
+        "demo": 8, "testing": 8, "integrations": 8, "serve": 9, "cli": 10, "__main__": 11}
 
 
 def _top(module_path: Path) -> str:

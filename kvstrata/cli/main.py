@@ -5,6 +5,8 @@ Examples:
   kvstrata bench acceptance            acceptance length cold vs warm per tier and codec
   kvstrata inspect /path/to/tier       what a disk tier holds (safe while an engine writes)
   kvstrata stress --seconds 30         random page traffic through the tiers, every read checked
+  kvstrata serve kvstrata-tiny-py --drafter kvstrata-tiny-py --port 8000
+                                       OpenAI-compatible server (completions, chat, /metrics)
 
 Exit codes: 0 success, 1 a check failed (wrong or corrupt pages), 2 usage error.
 """
@@ -22,6 +24,7 @@ SUBCOMMANDS = {
     "bench": "kvstrata.cli.bench",
     "inspect": "kvstrata.cli.inspect",
     "stress": "kvstrata.cli.stress",
+    "serve": "kvstrata.cli.serve",
 }
 
 #: Exit status of a usage error (bad flags or values), as argparse uses.

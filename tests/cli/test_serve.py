@@ -1,0 +1,42 @@
+"""`kvstrata serve` argument handling (no model is loaded: every case fails before that)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvstrata.cli.main import main
+from kvstrata.cli.serve import parse_bytes
+
+
+@pytest.mark.parametrize("text,value", [("1048576", 1 << 20), ("512M", 512 << 20),
+                                        ("4GiB", 4 << 30), ("1.5k", 1536), ("64 MB", 64 << 20)])
+def test_sizes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1", "4X", "1e9"])
+def test_bad_sizes(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--disk-tier", "x"], "--disk-tier needs --host-tier-bytes"),
+    (["--max-body-bytes", "100"], "max_body_bytes must be an integer >= 1024"),
+    (["--max-prompt-chars", "0"], "max_prompt_chars must be a positive integer"),
+    (["--max-batch-size", "0"], "max_batch_size must be a positive integer"),
+])
+def test_usage_errors_exit_2_with_one_line(capsys, args, msg):
+    assert main(["serve", "kvstrata-tiny-py", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvstrata serve: error: ") and msg in err[0]
+
+
+def test_api_key_is_not_shown_as_a_default(capsys, monkeypatch):
+    monkeypatch.setenv("KVSTRATA_API_KEY", "s3cret-value")
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "s3cret-value" not in out and "KVSTRATA_API_KEY" in out and "127.0.0.1" in out

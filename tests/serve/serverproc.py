@@ -1,0 +1,109 @@
+"""Helpers of the server tests: a real ``kvstrata serve`` process on a free loopback port (run in
+a temporary directory, stopped with SIGINT, then SIGKILL, by whoever started it), raw HTTP, and
+``/metrics`` parsed with prometheus_client's own parser.
+
+The server runs the shipped pair on the CPU with one torch thread (2-core machines).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "kvstrata-tiny-py"
+API_KEY = "test-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, args: list[str], env: dict | None = None, timeout: float = 90.0,
+                 target: str = MODEL, drafter: str = MODEL) -> Server:
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "kvstrata", "serve", target, "--drafter", drafter,
+           "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--device", "cpu",
+           "--log-level", "warning", *args]
+    full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, env=full_env)
+    srv = Server(f"http://127.0.0.1:{port}", port, proc, log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{srv.url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return srv
+        except OSError:
+            time.sleep(0.3)
+    srv.stop()
+    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{log.read_text()}")
+
+
+def http_request(server, method: str, path: str, body: bytes | None = None,
+                 key: str | None = API_KEY, headers: dict | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if key is not None:
+        h["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=body, headers=h)
+    r = conn.getresponse()
+    out = r.status, r.read()
+    conn.close()
+    return out
+
+
+def metrics(server) -> dict[str, float]:
+    """``/metrics`` as ``{'name{label="v"}': value}`` (labels sorted)."""
+    status, body = http_request(server, "GET", "/metrics")
+    assert status == 200
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(server, timeout: float = 30.0) -> dict[str, float]:
+    """Metrics once no request is in flight and no page is in use."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["kvstrata_requests_in_flight"] == 0 and m['kvstrata_pool_pages{state="in_use"}'] == 0:
+            return m
+        assert time.monotonic() < deadline, f"server not idle after {timeout} s: {m}"
+        time.sleep(0.1)
