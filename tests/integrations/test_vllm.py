@@ -179,13 +179,18 @@ def test_nvfp4_pages(tmp_path, llm):
 def test_preempted_requests_resume_from_their_saved_blocks(tmp_path, llm):
     """Eight 32-token blocks for three requests that grow to 99 tokens: vLLM preempts. The full
     blocks a preempted request had were saved in the steps that filled them, so when it resumes
-    its prefix comes back from kvstrata (the new process's disk tier starts empty and the prompts
-    share no block: every load is a resumption), and its tokens equal an undisturbed run's."""
+    its prefix comes back from kvstrata's host tier (the new process's tiers start empty and the
+    prompts share no block: every load is a resumption), and its tokens equal an undisturbed
+    run's."""
     prompts = [prompt(i)[:40] for i in (0, 1, 5)]
     alone = [generate(llm, [p], ["preempt"], max_tokens=60)[0][0] for p in prompts]
-    (res,) = run_new_process({"disk_path": str(tmp_path / "pre"), "disk_bytes": 64 << 20},
+    (res,) = run_new_process({"host_bytes": 8 << 20, "disk_path": str(tmp_path / "pre"),
+                              "disk_bytes": 64 << 20},
                              prompts, salts=["preempt"] * 3, max_tokens=60,
                              llm={"num_gpu_blocks_override": 8, "max_model_len": 224,
                                   "max_num_seqs": 3})
     assert res["tokens"] == alone
     assert res["stats"]["loaded_pages"] > 0 and res["stats"]["corrupt_records"] == 0
+    # the host tier (in front of disk) served them
+    assert res["tiers"]["host"]["hits"] == res["stats"]["loaded_pages"]
+    assert res["tiers"]["disk"]["hits"] == 0

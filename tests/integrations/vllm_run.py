@@ -7,8 +7,9 @@ generations. As a script (a *new process*)::
                          "runs": 1, "llm": {...}}'
 
 runs the prompts ``runs`` times and prints one JSON line ``{"runs": [{"tokens": [[...]],
-"cached": [n, ...], "stats": {...}}, ...]}`` (``cached``: vLLM's own
-``RequestOutput.num_cached_tokens``; ``stats``: the connector's store counters after the run).
+"cached": [n, ...], "stats": {...}, "tiers": {...}}, ...]}`` (``cached``: vLLM's own
+``RequestOutput.num_cached_tokens``; ``stats``: the connector's store counters after the run;
+``tiers``: each tier's counters).
 
 Engine settings the tests rely on: prefix caching off (so a second run of a prompt can only get
 its prefix from the connector), block size 32 (vLLM's CPU attention takes multiples of 32), the
@@ -81,6 +82,7 @@ if __name__ == "__main__":
     for _ in range(args.get("runs", 1)):
         tokens, cached = generate(llm, args["prompts"], args.get("salts"),
                                   args.get("max_tokens", 24))
-        runs.append({"tokens": tokens, "cached": cached,
-                     "stats": dict(connector().stats()["store"])})
+        stats = connector().stats()
+        runs.append({"tokens": tokens, "cached": cached, "stats": stats.pop("store"),
+                     "tiers": stats})
     print(json.dumps({"runs": runs}), flush=True)
