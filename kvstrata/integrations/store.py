@@ -25,6 +25,8 @@ records an engine writes read back in kvstrata's own engine and in ``kvstrata in
 from __future__ import annotations
 
 import logging
+import threading
+from functools import wraps
 from typing import Sequence
 
 import torch
@@ -40,6 +42,14 @@ log = logging.getLogger(__name__)
 COUNTERS = ("lookups", "lookup_pages", "saved_pages", "saved_bytes", "save_failures",
             "unencodable_pages", "loaded_pages", "loaded_bytes", "load_misses", "corrupt_records",
             "promoted_pages")
+
+
+def _locked(method):
+    @wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class PageStore:
@@ -66,8 +76,12 @@ class PageStore:
         self.page_size = self.namespace.page_size
         self.tiers = list(tiers)
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # One store may serve an engine's scheduler and its worker (the same process); the tiers
+        # are not thread-safe, so calls are serialized.
+        self._lock = threading.RLock()
 
     # -- queries --------------------------------------------------------------------------------
+    @_locked
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """How many leading pages of ``hashes`` some tier holds (per page: any tier)."""
         self.counters["lookups"] += 1
@@ -84,6 +98,7 @@ class PageStore:
         return n
 
     # -- save -----------------------------------------------------------------------------------
+    @_locked
     def save(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageInfo]
              ) -> list[bool]:
         """Encode pages ``page_ids`` of ``view`` (holding the pages ``infos``) and put them into
@@ -132,6 +147,7 @@ class PageStore:
         return stored
 
     # -- load -----------------------------------------------------------------------------------
+    @_locked
     def load(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageInfo]) -> int:
         """Write the longest verified prefix of the pages ``infos`` into ``page_ids`` of ``view``.
 
@@ -195,9 +211,11 @@ class PageStore:
                              f"{self.page_size})")
 
     # -- bookkeeping ----------------------------------------------------------------------------
+    @_locked
     def stats(self) -> dict:
         return {"store": dict(self.counters), **{t.name: t.counters() for t in self.tiers}}
 
+    @_locked
     def close(self) -> None:
         for t in self.tiers:
             t.close()
