@@ -502,8 +502,7 @@ class LLM:
                 r.num_computed = seq.num_cached_tokens
                 if r.state != PREEMPTED:
                     r.num_cached_tokens = seq.num_cached_tokens
-                    r.cached_from = {k: v * self.pool.page_size
-                                     for k, v in seq.cached_from.items()}
+                    r.cached_from = self._cached_by_tier(seq.cached_from)
                     r.tokens = list(r.prompt)
                     r.t_admit = time.perf_counter()
                 r.state = DECODE if pending and r.num_computed == upto else PREFILL
@@ -511,6 +510,22 @@ class LLM:
             if self.arena is not None:
                 self.arena.open(r.rid_key, r.num_computed)
             sched.running.append(r)
+
+    def _cached_by_tier(self, pages: dict[str, int]) -> dict[str, int]:
+        """Prefix tokens reused per tier: the manager counts device pages and "lower" pages; the
+        tier manager's ``last_load`` says which lower tier served them (host first, then in
+        the order the tiers were asked)."""
+        P = self.pool.page_size
+        out = {"device": pages.get("device", 0) * P} if pages.get("device") else {}
+        left = pages.get("lower", 0)
+        for name, n in (getattr(self.tiers, "last_load", None) or {}).items():
+            take = min(n, left)
+            if take:
+                out[name] = take * P
+                left -= take
+        if left:
+            out["lower"] = left * P
+        return out
 
     def _reserve(self, sched: Scheduler, plan: StepPlan) -> StepPlan:
         """Pages for this step's positions; under pool pressure the most recently admitted

@@ -23,8 +23,8 @@ __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics", "TIERS"]
 
 TIERS = ("device", "host", "disk", "remote")
 #: lower tier -> the ``TierManager.stats()`` counter of pages demoted into it / promoted out of it
-DEMOTIONS = {"host": "d2h_pages", "disk": "host_to_disk_pages"}
-PROMOTIONS = {"host": "h2d_pages", "disk": "disk_to_host_pages"}
+DEMOTIONS = {"host": "d2h_pages", "disk": "host_to_disk_pages", "remote": "host_to_remote_pages"}
+PROMOTIONS = {"host": "h2d_pages", "disk": "disk_to_host_pages", "remote": "remote_to_host_pages"}
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

@@ -235,3 +235,22 @@ def test_close_persists_to_disk_and_a_restarted_process_reuses_it(ckpts, tmp_pat
     assert c0 == 0 and c1 == 40          # every full page of the prompt, from disk
     assert (t1, a1) == (t0, a0)
     assert math.isclose(sum(a1) / len(a1), sum(a0) / len(a0))
+
+
+def test_deltas_say_which_tier_served_the_prefix(ckpts):
+    llm = LLM(ckpts["agree"][0], ckpts["drafter"][0],
+              _cache(tiers=dict(host_bytes=1 << 20)))
+    p = [(7 * i + 3) % 290 for i in range(41)]
+    llm.generate([p], SamplingParams(max_tokens=3))
+    llm.pool.evict(llm.pool.num_cached)            # every cached page goes to the host tier
+    llm.add_request(p[:33] + [5, 6, 7, 8, 9, 10, 11, 12], SamplingParams(max_tokens=3),
+                    request_id="x")
+    llm.add_request(p, SamplingParams(max_tokens=3), request_id="y")
+    first = {}
+    while llm.has_unfinished():
+        for d in llm.step():
+            first.setdefault(d.request_id, d)
+    assert first["x"].cached_by_tier == {"host": 32} and first["x"].num_cached_tokens == 32
+    # y's first 32 tokens are device pages again (x promoted them); the rest came from host.
+    assert first["y"].cached_by_tier == {"device": 32, "host": 8}
+    assert first["y"].ttft_s is not None and first["y"].ttft_s > 0

@@ -210,3 +210,31 @@ def test_the_password_never_reaches_the_log(caplog):
     with caplog.at_level(logging.WARNING, logger="kvstrata.tiers.remote"):
         assert RemoteTier.connect(url, b"\0" * 16, connect_timeout=0.5) is None
     assert caplog.records and all("s3cret" not in r.getMessage() for r in caplog.records)
+
+
+def test_disk_then_remote_nearest_first_and_written_to_both(tmp_path, redis_url):
+    from kvstrata.tiers import DiskTier
+    s = Stack(tmp_path / "a", num_pages=8, host_pages=2)      # disk + host of 2 slots
+    remote = RemoteTier(redis_url, s.ns.digest)
+    s.tiers = TierManager(s.pool, s.ns, host_bytes=s.tiers.host.capacity_bytes, disk=s.disk,
+                          remote=remote)
+    s.mgr.lower = s.tiers
+    prompts = _prompts(2, 3)
+    for p in prompts:
+        s.run(p)
+    s.pool.evict(s.pool.num_cached)             # 6 pages: 4 spill from the host to both tiers
+    st = s.tiers.stats()
+    assert st["host_to_disk_pages"] == 4 and st["host_to_remote_pages"] == 4
+    assert st["dropped_pages"] == 0
+    for p in prompts:                           # every page comes back from the nearest tier
+        assert s.run(p).cached_from["lower"] == 3
+    assert s.tiers.stats()["remote_to_host_pages"] == 0    # the disk had them all
+    s.tiers.close()
+    # Another engine with no disk of its own: A's close drained its host to both tiers, so
+    # every page comes from the remote tier.
+    b = _stack(tmp_path / "b", redis_url)
+    for p in prompts:
+        assert b.run(p).cached_from["lower"] == 3
+    assert b.tiers.stats()["remote_to_host_pages"] == 6
+    with DiskTier(s.path, readonly=True) as d:
+        assert len(d) == 6                      # A's close drained its host to the disk
