@@ -2,6 +2,8 @@
 
 kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo, testing) < serve
 < cli < __main__ (``python -m kvstrata``);
+``integrations`` (vLLM / SGLang) ranks with the top layers but uses only tiers, pagepool and codecs
+(never the runtime); no module outside it may import vllm or sglang.
 ``dtypes`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
 blocks and the checkpoint loader, shared by drafter, runtime and training) sit just above them.
 Imports inside functions count too (a lazy import upward is still an upward dependency).
@@ -15,7 +17,7 @@ import kvstrata
 ROOT = Path(kvstrata.__file__).resolve().parent
 RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
         "pagepool": 4, "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8,
-        "demo": 8, "testing": 8, "serve": 9, "cli": 10, "__main__": 11}
+        "demo": 8, "testing": 8, "integrations": 8, "serve": 9, "cli": 10, "__main__": 11}
 
 
 def _top(module_path: Path) -> str:
@@ -67,6 +69,39 @@ def test_imports_only_point_down():
     assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
 
 
+ENGINES = ("vllm", "sglang")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_integrations_use_only_tiers_pagepool_codecs():
+    allowed = {"integrations", "tiers", "pagepool", "codecs", "kernels", "dtypes"}
+    bad = []
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        for dep in _imported_tops(path) - allowed:
+            bad.append(f"{path.relative_to(ROOT)} imports {dep}")
+    assert not bad, "\n".join(bad)
+
+
+def test_core_never_imports_an_engine():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if _top(path) == "integrations":
+            continue
+        for dep in _imported_modules(path) & set(ENGINES):
+            bad.append(f"{path.relative_to(ROOT)} imports {dep}")
+    assert not bad, "\n".join(bad)
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -74,7 +109,7 @@ def _module_name(path: Path) -> str:
     return ".".join(["kvstrata", *parts])
 
 
-def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+def _kvstrata_imports(path: Path, modules: set[str]) -> set[str]:
     """The kvstrata modules ``path`` imports (lazy imports included); ``from pkg import name``
     counts as importing ``pkg.name`` when that is a module, else ``pkg``."""
     tree = ast.parse(path.read_text(), str(path))
@@ -101,7 +136,7 @@ def test_no_import_loops_between_modules():
     ``__init__`` re-exporting its own modules is not a loop: it is left out of the graph)."""
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     modules = set(paths)
-    graph = {m: {d for d in _imported_modules(p, modules)
+    graph = {m: {d for d in _kvstrata_imports(p, modules)
                  if d != m and paths[d].name != "__init__.py"}
              for m, p in paths.items() if p.name != "__init__.py"}
     loops, state = [], {}
