@@ -22,6 +22,8 @@ import sys
 import time
 from collections import Counter, defaultdict
 
+from .tables import bad_pages_table
+
 HELP = "summarize, list, show, verify or repair the pages of a disk tier"
 OK, DAMAGED, USAGE = 0, 1, 2
 PROGRESS_EVERY_S = 5.0          # without a terminal: one progress line on stderr this often
@@ -233,7 +235,6 @@ def _cmd_page(disk, rows, args, console) -> int:
 
 
 def _cmd_verify(disk, rows, bad, args, console) -> int:
-    from rich.table import Table
     index = disk.info()["index_damaged"] or disk.check()
     failures = _verify(rows, bad)
     doc = {"pages": len(rows) + len(bad), "bad": failures, "index": index or "ok"}
@@ -242,12 +243,7 @@ def _cmd_verify(disk, rows, bad, args, console) -> int:
     if args.json:
         print(json.dumps(doc))
     elif failures:
-        t = Table(title=f"{len(failures)} bad pages of {doc['pages']}")
-        t.add_column("hash")
-        t.add_column("problem")
-        for f in failures:
-            t.add_row(f["hash"], f["error"])
-        console.print(t)
+        console.print(bad_pages_table(failures, doc["pages"]))
     elif not index:
         console.print(f"all {doc['pages']} pages verify; the index is sound")
     return DAMAGED if failures or index else OK

@@ -16,6 +16,8 @@ import math
 from collections import Counter, defaultdict
 from urllib.parse import parse_qs, urlsplit
 
+from .tables import bad_pages_table
+
 _BATCH = 64
 
 
@@ -118,12 +120,7 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(doc))
             elif failures:
-                t = Table(title=f"{len(failures)} bad pages of {doc['pages']}")
-                t.add_column("hash")
-                t.add_column("problem")
-                for f in failures:
-                    t.add_row(f["hash"], f["error"])
-                console.print(t)
+                console.print(bad_pages_table(failures, doc["pages"]))
             else:
                 console.print(f"all {doc['pages']} pages verify")
             return 1 if failures else 0
