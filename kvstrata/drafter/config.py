@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from ..dtypes import canonical_dtype
-from ..nn.hfconfig import DecoderConfig, decoder_fields
+from ..nn.hfconfig import decoder_fields
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -35,16 +35,25 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
-@dataclass(frozen=True, kw_only=True)
-class DFlashConfig(DecoderConfig):
-    """A DFlash drafter: the shared decoder fields, then these (keyword-only)."""
-
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
     block_size: int
     num_target_layers: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     layer_causal: tuple[bool, ...]             # per draft layer: causal inside the block
     layer_window: tuple[int | None, ...]       # per draft layer: sliding window (tokens) or None
+    attention_bias: bool = False
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None

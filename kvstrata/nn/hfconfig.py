@@ -1,31 +1,11 @@
 """The decoder fields every Hugging Face ``config.json`` we read shares (Qwen3 target, DFlash
-drafter): one base class and one parser, so both models read sizes, heads, RoPE base and limits
-the same way."""
+drafter): one parser, so both models read sizes, heads, RoPE base and limits the same way."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .loader import CheckpointError
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Sizes, heads and RoPE of a decoder (the fields :func:`decoder_fields` reads); the model
-    configs add their own fields (defaults here are Qwen3's)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
-    attention_bias: bool = False
 
 #: Keys a decoder config must have (the others have defaults or are derived).
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -66,4 +46,4 @@ def decoder_fields(d: Mapping[str, Any], where: str, *, rope_theta: float,
         attention_bias=bool(d.get("attention_bias", False)))
 
 
-__all__ = ["DecoderConfig", "REQUIRED", "decoder_fields"]
+__all__ = ["REQUIRED", "decoder_fields"]

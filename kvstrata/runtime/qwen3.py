@@ -23,7 +23,7 @@ from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
-from ..nn.hfconfig import DecoderConfig, decoder_fields
+from ..nn.hfconfig import decoder_fields
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
                          weights_fingerprint)
 from ..pagepool.spec import KVGroupSpec
@@ -32,13 +32,23 @@ _ARCHS = ("Qwen3ForCausalLM", "Qwen3Model")
 
 
 @dataclass(frozen=True)
-class Qwen3Config(DecoderConfig):
-    """The fields of a Hugging Face Qwen3 ``config.json`` the model needs (validated): the
-    shared decoder fields, then these."""
+class Qwen3Config:
+    """The fields of a Hugging Face Qwen3 ``config.json`` the model needs (validated)."""
 
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     rope_scaling: Mapping[str, Any] | None = None
+    attention_bias: bool = False
     #: per-layer window (tokens) or None; from ``use_sliding_window``/``layer_types``.
     sliding_windows: tuple[int | None, ...] | None = None
 
