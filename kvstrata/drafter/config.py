@@ -37,6 +37,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 @dataclass(frozen=True)
 class DFlashConfig:
+    # NOTE: repr(config) goes into the drafter's fingerprint (the prefix-cache namespace), so
+    # the fields' order and names are part of what stored pages are keyed by: reordering them
+    # (e.g. to share a base class with Qwen3Config) would orphan every stored draft page.
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
