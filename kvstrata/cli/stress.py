@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                            disk=disk, write_through=args.write_through)
 
     tiers = open_tiers()
-    mgr = KVCacheManager(pool, ns, lower=tiers)
+    mgr = KVCacheManager(pool, ns, tiers=tiers)
     shadow = _Shadow(groups, P, pool.device)
     rng = random.Random(args.seed)
     max_pages = max(2, min(12, args.pages // 2))
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                     errors[e] += st[e]
                 tiers.close()
                 tiers = open_tiers()
-                mgr.lower = tiers
+                mgr.tiers = tiers
                 totals["restarts"] += 1
                 last_restart = now
             if totals["requests"] % 16 == 0:

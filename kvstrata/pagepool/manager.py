@@ -83,11 +83,11 @@ class KVCacheManager:
         pool: the :class:`PagePool`.
         namespace: the base namespace (models, groups, page size); requests add their
             ``cache_salt`` to it.
-        lower: an optional :class:`PrefixSource` (the tier manager) consulted after the device
+        tiers: an optional :class:`PrefixSource` (the tier manager) consulted after the device
             pool misses.
     """
 
-    def __init__(self, pool: PagePool, namespace: Namespace, lower: PrefixSource | None = None):
+    def __init__(self, pool: PagePool, namespace: Namespace, tiers: PrefixSource | None = None):
         if namespace.page_size != pool.page_size:
             raise ValueError(f"namespace page_size {namespace.page_size} != pool page_size "
                              f"{pool.page_size}")
@@ -96,7 +96,7 @@ class KVCacheManager:
             raise ValueError("namespace groups differ from the pool's groups")
         self.pool = pool
         self.namespace = namespace
-        self.lower = lower
+        self.tiers = tiers
         self.seqs: dict[object, SequenceState] = {}
         self._freed: OrderedDict[object, None] = OrderedDict()   # recent ids, for errors only
         self._stats = {"lookups": 0, "hit_tokens": 0, "query_tokens": 0}
@@ -144,8 +144,8 @@ class KVCacheManager:
         dev = self._device_prefix(hashes)
         tier_pages = {"device": len(dev)}
         n = len(dev)
-        if self.lower is not None and n < len(hashes):
-            k = self.lower.lookup_prefix(ns, hashes[n:])
+        if self.tiers is not None and n < len(hashes):
+            k = self.tiers.lookup_prefix(ns, hashes[n:])
             tier_pages["lower"] = k
             n += k
         return PrefixHit(n * self.page_size, hashes[:n], dev, tier_pages)
@@ -187,7 +187,7 @@ class KVCacheManager:
         self.pool.touch(dev)
         page_ids = list(dev)
         cached_from = {"device": len(dev)}
-        if self.lower is not None and len(dev) < len(hashes):
+        if self.tiers is not None and len(dev) < len(hashes):
             page_ids += self._promote(ns, token_ids, hashes, len(dev), cached_from)
         n_cached = len(page_ids) * self.page_size
         seq = SequenceState(seq_id, ns, page_ids, token_ids[:n_cached], hashes[:len(page_ids)],
@@ -201,7 +201,7 @@ class KVCacheManager:
     def _promote(self, ns: Namespace, token_ids: list[int], hashes: list[bytes], start: int,
                  cached_from: dict[str, int]) -> list[int]:
         P = self.page_size
-        k = self.lower.lookup_prefix(ns, hashes[start:])
+        k = self.tiers.lookup_prefix(ns, hashes[start:])
         k = min(k, self.pool.num_available)
         if k <= 0:
             return []
@@ -209,7 +209,7 @@ class KVCacheManager:
                          tuple(token_ids[i * P:(i + 1) * P])) for i in range(start, start + k)]
         new = self.pool.allocate(k)
         try:
-            m = self.lower.load_prefix(ns, infos, new)
+            m = self.tiers.load_prefix(ns, infos, new)
         except Exception:
             self.pool.release(new)
             raise

@@ -166,7 +166,7 @@ class LLM(EngineCore):
         self.namespace = Namespace(self.target.fingerprint(), tuple(groups), cache.page_size,
                                    drafter=self.drafter.fingerprint() if self.drafter else "none")
         self.tiers = _make_tiers(cache.tiers, self.pool, self.namespace)
-        self.mgr = KVCacheManager(self.pool, self.namespace, lower=self.tiers)
+        self.mgr = KVCacheManager(self.pool, self.namespace, tiers=self.tiers)
         self.arena = (DraftArena(self.drafter, self.max_seq_len)
                       if self.drafter is not None and not self.paged else None)
         self.taps = list(self.drafter.cfg.target_layer_ids) if self.drafter else []

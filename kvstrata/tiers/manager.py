@@ -5,7 +5,7 @@ Wiring::
     pool = PagePool(groups, num_pages, page_size, device)
     tiers = TierManager.from_config(pool, namespace, dict(
         host_bytes=8 << 30, disk="/var/cache/kvstrata", remote="redis://cache:6379/0"))
-    mgr = KVCacheManager(pool, namespace, lower=tiers)   # admit() promotes from the tiers
+    mgr = KVCacheManager(pool, namespace, tiers=tiers)   # admit() promotes from the tiers
 
 Given a :class:`~kvstrata.pagepool.PagePool`, the manager subscribes to its ``on_evict`` (and, with
 ``write_through=True``, ``on_hashed``) hooks; given a :class:`~kvstrata.pagepool.PoolView` (an

@@ -24,7 +24,7 @@ def _fill(path, codecs=("nvfp4", "lossless"), n_prompts=3, pages=2, keep_open=Fa
     pool = PagePool(groups, 16, P)
     tiers = TierManager(pool, ns, host_bytes=4 * TierManager.slot_bytes_for(pool),
                         disk=DiskTier(path, map_size=1 << 22))
-    mgr = KVCacheManager(pool, ns, lower=tiers)
+    mgr = KVCacheManager(pool, ns, tiers=tiers)
     rng = random.Random(0)
     prompts = [[rng.randrange(100) for _ in range(pages * P + 1)] for _ in range(n_prompts)]
     for i, p in enumerate(prompts):

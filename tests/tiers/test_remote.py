@@ -69,7 +69,7 @@ def _stack(tmp_path, url, **kw):
     remote = RemoteTier(url, s.ns.digest)
     s.tiers = TierManager(s.pool, s.ns, host_bytes=s.tiers.host.capacity_bytes, remote=remote,
                           write_through=kw.get("write_through", False))
-    s.mgr.lower = s.tiers
+    s.mgr.tiers = s.tiers
     return s
 
 
@@ -218,7 +218,7 @@ def test_disk_then_remote_nearest_first_and_written_to_both(tmp_path, redis_url)
     remote = RemoteTier(redis_url, s.ns.digest)
     s.tiers = TierManager(s.pool, s.ns, host_bytes=s.tiers.host.capacity_bytes, disk=s.disk,
                           remote=remote)
-    s.mgr.lower = s.tiers
+    s.mgr.tiers = s.tiers
     prompts = _prompts(2, 3)
     for p in prompts:
         s.run(p)

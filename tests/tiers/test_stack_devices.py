@@ -38,7 +38,7 @@ def test_pages_round_trip_device_host_disk(tmp_path, chunk, device):
     disk = DiskTier(tmp_path / "disk", map_size=1 << 26)
     slot = TierManager.slot_bytes_for(pool)
     tiers = TierManager(pool, ns, host_bytes=slot * 6, disk=disk, batch_pages=8, chunk_pages=chunk)
-    mgr = KVCacheManager(pool, ns, lower=tiers)
+    mgr = KVCacheManager(pool, ns, tiers=tiers)
     prompts = [[(s * 7919 + i) % 997 for i in range(4 * PAGE + 1)] for s in range(6)]
 
     def run(sid, tokens, check):

@@ -31,7 +31,7 @@ class TierMachine(PoolMachine):
         self.ever: dict[bytes, str] = {}
         self.history: set[tuple[tuple[int, ...], str | None]] = set()
         self.tiers = self._open_tiers()
-        return KVCacheManager(self.pool, self.ns, lower=self.tiers)
+        return KVCacheManager(self.pool, self.ns, tiers=self.tiers)
 
     def _open_tiers(self) -> TierManager:
         disk = DiskTier(f"{self.tmp}/disk", map_size=1 << 24)
@@ -77,7 +77,7 @@ class TierMachine(PoolMachine):
         note("restart tiers (close + reopen the disk tier)")
         self.tiers.close()
         self.tiers = self._open_tiers()
-        self.mgr.lower = self.tiers
+        self.mgr.tiers = self.tiers
 
     @invariant()
     def every_hashed_page_is_somewhere(self):

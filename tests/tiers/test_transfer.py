@@ -30,7 +30,7 @@ def test_every_chunking_moves_the_same_bytes(tmp_path, codecs):
         s = Stack(tmp_path / str(chunk), num_pages=16, host_pages=8, disk=False, codecs=codecs)
         s.tiers = TierManager(s.pool, s.ns, host_bytes=8 * TierManager.slot_bytes_for(s.pool),
                               batch_pages=7, chunk_pages=chunk)
-        s.mgr.lower = s.tiers
+        s.mgr.tiers = s.tiers
         assert s.tiers.mover.chunk_pages == min(chunk, 7)
         assert len(s.tiers.mover._demotes.bufs) == (2 if chunk < 7 else 1)
         s.run(tokens)

@@ -43,7 +43,7 @@ class Stack:
         slot = TierManager.slot_bytes_for(self.pool)
         self.tiers = TierManager(self.pool, self.ns, host_bytes=slot * host_pages, disk=self.disk,
                                  write_through=write_through)
-        self.mgr = KVCacheManager(self.pool, self.ns, lower=self.tiers)
+        self.mgr = KVCacheManager(self.pool, self.ns, tiers=self.tiers)
         self.n = 0
         self.expected = expected
 
