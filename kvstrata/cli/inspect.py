@@ -22,7 +22,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from .tables import bad_pages_table
+from .tables import bad_pages_table, groups_table
 
 HELP = "summarize, list, show, verify or repair the pages of a disk tier"
 OK, DAMAGED, USAGE = 0, 1, 2
@@ -287,13 +287,7 @@ def _cmd_summary(doc: dict, args, console) -> int:
     if doc["pages"]:
         t.add_row("age", f"{doc['newest_age_s']} s … {doc['oldest_age_s']} s")
     console.print(t)
-    g = Table(title="groups")
-    for c in ("group", "codec", "raw", "stored", "ratio"):
-        g.add_column(c, justify="left" if c in ("group", "codec") else "right")
-    for name, s in doc["groups"].items():
-        g.add_row(name, ", ".join(s["codecs"]), format_bytes(s["raw_bytes"]),
-                  format_bytes(s["stored_bytes"]), f"{s['ratio']:.2f}x" if s["ratio"] else "-")
-    console.print(g)
+    console.print(groups_table(doc["groups"]))
     return OK
 
 

@@ -16,7 +16,7 @@ import math
 from collections import Counter, defaultdict
 from urllib.parse import parse_qs, urlsplit
 
-from .tables import bad_pages_table
+from .tables import bad_pages_table, groups_table
 
 _BATCH = 64
 
@@ -156,11 +156,5 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("namespaces", ", ".join(f"{k[:12]}… ({v})" for k, v in doc["namespaces"].items())
               or "-")
     console.print(t)
-    g = Table(title="groups")
-    for c in ("group", "codec", "raw", "stored", "ratio"):
-        g.add_column(c, justify="left" if c in ("group", "codec") else "right")
-    for name, s in doc["groups"].items():
-        g.add_row(name, ", ".join(s["codecs"]), format_bytes(s["raw_bytes"]),
-                  format_bytes(s["stored_bytes"]), f"{s['ratio']:.2f}x" if s["ratio"] else "-")
-    console.print(g)
+    console.print(groups_table(doc["groups"]))
     return 0

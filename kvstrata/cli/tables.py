@@ -1,4 +1,4 @@
-"""Tables the inspect commands share (disk and remote tiers print damage the same way)."""
+"""Tables the inspect commands share (disk and remote tiers print the same way)."""
 
 from __future__ import annotations
 
@@ -12,3 +12,18 @@ def bad_pages_table(failures: list[dict], total: int):
     for f in failures:
         t.add_row(f["hash"], f["error"])
     return t
+
+
+def groups_table(groups: dict[str, dict]):
+    """A rich table of per-group storage, ``{name: {"codecs", "raw_bytes", "stored_bytes",
+    "ratio"}}`` (the summaries of both inspect commands)."""
+    from rich.table import Table
+
+    from kvstrata.pagepool import format_bytes
+    g = Table(title="groups")
+    for c in ("group", "codec", "raw", "stored", "ratio"):
+        g.add_column(c, justify="left" if c in ("group", "codec") else "right")
+    for name, s in groups.items():
+        g.add_row(name, ", ".join(s["codecs"]), format_bytes(s["raw_bytes"]),
+                  format_bytes(s["stored_bytes"]), f"{s['ratio']:.2f}x" if s["ratio"] else "-")
+    return g
