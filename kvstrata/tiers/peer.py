@@ -51,6 +51,7 @@ verified. CUDA pools over a CPU channel stage through pinned host slots (the Mov
 from __future__ import annotations
 
 import struct
+import time
 from collections import deque
 from dataclasses import replace
 from typing import Any, Sequence
@@ -70,7 +71,7 @@ from .transfer import Mover
 #: Bytes per pipelined chunk by default (rounded to whole pages, at least one): big enough that
 #: a chunk's send outlasts the gather of the next one, small enough that the first chunk is on
 #: the link early (measured on the CPU over Gloo: docs/benchmarks.md, "Pipelined handoff").
-LINK_CHUNK_BYTES = 8 << 20
+LINK_CHUNK_BYTES = 32 << 20
 _LEN = struct.Struct("<I")
 _ERROR = 0xFFFFFFFF
 
@@ -204,6 +205,12 @@ class PeerLink:
         self.device_link = device_link
         self.head_bytes = head_bytes(self.specs, view.page_size)
         self._bufs: dict[str, torch.Tensor] = {}
+        #: seconds spent, summed over transfers: ``gather_s`` (gather + encode + record heads and
+        #: CRCs), ``wait_send_s`` (the sender waiting for the link), ``wait_recv_s`` (the
+        #: receiver waiting for bytes), ``verify_s`` (records checked, CRCs included),
+        #: ``scatter_s`` (decode into pool pages; launch time only on CUDA)
+        self.timings = dict.fromkeys(("gather_s", "wait_send_s", "wait_recv_s", "verify_s",
+                                      "scatter_s"), 0.0)
 
     # -- helpers -----------------------------------------------------------------------------------
     def _buffer(self, which: str, shape, device: torch.device | None = None) -> torch.Tensor:
@@ -280,11 +287,13 @@ class PeerLink:
                 slots = [] if dev else self.host.take_slots(m)[0]
                 data, heads = None, None
                 if err is None:
+                    t0 = time.perf_counter()
                     try:
                         data, heads = (self._gather_device if dev else self._gather_host)(
                             chunk, slots, ring)
                     except PeerError as e:
                         err = e
+                    self.timings["gather_s"] += time.perf_counter() - t0
                 if err is not None and (dev or self.slot_records):
                     # The peer posted this chunk's data receive: it gets the (unused) rows.
                     data = (self._buffer(f"dev{ring}", (m, self.host.slot_bytes),
@@ -309,8 +318,10 @@ class PeerLink:
 
     def _retire(self, item) -> None:
         works, _, slots = item
+        t0 = time.perf_counter()
         for w in works:
             w.wait()
+        self.timings["wait_send_s"] += time.perf_counter() - t0
         if slots:
             self.host.give_back(slots)
 
@@ -408,10 +419,14 @@ class PeerLink:
                 c, slots, hb, data, works = posted.popleft()
                 k, m = chunks[c]
                 try:
+                    t0 = time.perf_counter()
                     works[0].wait()
                     heads = self._unpack_heads(hb)
+                    if not ahead:
+                        self.timings["wait_recv_s"] += time.perf_counter() - t0
                     if ahead:
                         works[1].wait()
+                        self.timings["wait_recv_s"] += time.perf_counter() - t0
                         if not dev and data.data_ptr() != self.host.rows(slots[0]).data_ptr():
                             for j, s in enumerate(slots):
                                 self.host.rows(s).copy_(data[j:j + 1])
@@ -448,7 +463,9 @@ class PeerLink:
         except CorruptPageError as e:
             raise PeerError(f"a received record head is damaged: {e}") from e
         blob = self._buffer(f"recv{ring}", (n,))
+        t0 = time.perf_counter()
         _post_recv(channel, blob).wait()
+        self.timings["wait_recv_s"] += time.perf_counter() - t0
         return blob
 
     def _store(self, chunk, ids, first: int, heads: list[bytes], data: torch.Tensor,
@@ -460,6 +477,7 @@ class PeerLink:
                              f"{len(heads)}")
         entries = []
         at = 0
+        t0 = time.perf_counter()
         mv = None if (dev or self.slot_records) else memoryview(data.numpy())
         for j, (info, h) in enumerate(zip(chunk, heads)):
             try:
@@ -483,6 +501,8 @@ class PeerLink:
             except (CorruptPageError, ValueError) as e:
                 return PeerError(f"received page {first + j} is damaged (CRC or identity "
                                  f"check failed: {e})")
+        t1 = time.perf_counter()
+        self.timings["verify_s"] += t1 - t0
         idt = torch.tensor(list(ids), dtype=torch.long, device=self.view.device)
         if dev:
             self.mover.scatter_rows(data, entries, idt, ids)
@@ -493,6 +513,7 @@ class PeerLink:
                                     if slots == list(range(slots[0], slots[0] + len(slots)))
                                     else torch.cat([self.host.rows(s) for s in slots]),
                                     entries, idt, ids)
+        self.timings["scatter_s"] += time.perf_counter() - t1
         return None
 
     def _check_device_head(self, head: bytes, info: PageInfo) -> HostEntry:
