@@ -175,8 +175,9 @@ class PeerLink:
             use the same value (the heads' receive is posted before they arrive).
         depth: chunks in flight per side (host slots or device buffers: ``depth * chunk_pages``
             pages); 1 serializes gather, send and scatter.
-        device_link: gather into and decode from device buffers when the pool and the channel are
-            on CUDA (``None``: whenever possible; ``False``: stage through host slots).
+        device_link: gather into and decode from buffers on the pool's device, no host slots
+            (``None``: when the pool and the channel are on CUDA; ``False``: stage through host
+            slots; ``True``: always, e.g. a CPU pool, which is how CPU CI runs this path).
     """
 
     def __init__(self, view: PoolView, namespace: Namespace, encode: bool = False,
@@ -199,9 +200,9 @@ class PeerLink:
         self.mover = Mover(view, self.host, self.codecs, chunk_pages, chunk_pages)
         #: records are the slots' bytes (no group is encoded on the CPU for the link)
         self.slot_records = all(host_codec(c) is c for c in self.codecs)
-        if device_link and not (self.cuda and self.slot_records):
-            raise ValueError("device_link needs a CUDA pool and groups whose codecs run on the "
-                             "device (encode=False, or device codecs only)")
+        if device_link and not self.slot_records:
+            raise ValueError("device_link needs groups whose codecs run on the device "
+                             "(encode=False, or device codecs only)")
         self.device_link = device_link
         self.head_bytes = head_bytes(self.specs, view.page_size)
         self._bufs: dict[str, torch.Tensor] = {}
@@ -214,7 +215,7 @@ class PeerLink:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _buffer(self, which: str, shape, device: torch.device | None = None) -> torch.Tensor:
-        """A buffer kept across chunks and handoffs: a fresh buffer of a chunk (~8 MiB) costs
+        """A buffer kept across chunks and handoffs: a fresh buffer of a chunk (~32 MiB) costs
         more in page faults than the copy into it."""
         device = torch.device("cpu") if device is None else device
         n = int(np.prod(shape))
@@ -224,8 +225,9 @@ class PeerLink:
         return b[:n].view(shape)
 
     def _on_device(self, channel) -> bool:
-        use = self.cuda and self.slot_records and channel.device.type == "cuda"
-        return use if self.device_link is None else bool(self.device_link) and use
+        if self.device_link is None:
+            return self.cuda and self.slot_records and channel.device.type == "cuda"
+        return self.device_link
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         return [(k, min(self.chunk, n - k)) for k in range(0, n, self.chunk)]

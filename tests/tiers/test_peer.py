@@ -109,7 +109,8 @@ def _pools(n, seed=0):
     return src, dst
 
 
-def _move(src, dst, infos, ids, encode, chunk, depth, wrap=None, link=None):
+def _move(src, dst, infos, ids, encode, chunk, depth, wrap=None, link=None, device_link=None,
+          sent=None):
     """Run one transfer (sender on a thread); returns (bytes received or the receiver's
     exception, the sender's exception or None, the receiving link)."""
     a, b = loopback_pair(timeout_s=30)
@@ -118,13 +119,14 @@ def _move(src, dst, infos, ids, encode, chunk, depth, wrap=None, link=None):
 
     def send():
         try:
-            PeerLink(PoolView.of(src), NS, encode=encode, chunk_pages=chunk,
-                     depth=depth).send(sender, infos)
+            PeerLink(PoolView.of(src), NS, encode=encode, chunk_pages=chunk, depth=depth,
+                     device_link=device_link).send(sender, sent or infos)
         except (PeerError, ConnectionError) as e:
             out["send"] = e
     t = threading.Thread(target=send)
     t.start()
-    link = link or PeerLink(PoolView.of(dst), NS, encode=encode, chunk_pages=chunk, depth=depth)
+    link = link or PeerLink(PoolView.of(dst), NS, encode=encode, chunk_pages=chunk, depth=depth,
+                            device_link=device_link)
     try:
         got = link.recv(b, infos, ids)
     except (PeerError, ConnectionError, TimeoutError) as e:
@@ -211,4 +213,21 @@ def test_link_arguments_are_checked():
         with pytest.raises(ValueError, match=next(iter(kw))):
             PeerLink(PoolView.of(pool), NS, **kw)
     with pytest.raises(ValueError, match="device_link"):
-        PeerLink(PoolView.of(pool), NS, device_link=True)
+        PeerLink(PoolView.of(pool), NS, encode=True, device_link=True)     # lossless: CPU codec
+
+
+@pytest.mark.parametrize("chunk,depth", [(1, 1), (3, 2), (4, 3)])
+def test_the_device_buffer_path_moves_pages_bit_exactly(chunk, depth):
+    """The NCCL path's code (gather into buffers on the pool's device, heads without payload
+    CRCs, receive into buffers, decode from them), run on CPU buffers."""
+    infos = _partial_chain(7, 1)
+    ids = [6, 5, 4, 3, 2, 1, 0]
+    src, dst = _pools(7)
+    got, err, link = _move(src, dst, infos, ids, False, chunk, depth, device_link=True)
+    assert err is None and isinstance(got, int) and got > 0
+    for name in ("target", "draft"):
+        assert torch.equal(dst.kv[name][ids].view(torch.int16), src.kv[name][:7].view(torch.int16))
+    # the sender swaps pages 3 and 4: refused (identity is checked on this path too)
+    bad = infos[:3] + [infos[4], infos[3]] + infos[5:]
+    got, err, _ = _move(src, dst, infos, ids, False, chunk, depth, device_link=True, sent=bad)
+    assert isinstance(got, PeerError) and "received page 3" in str(got), got
