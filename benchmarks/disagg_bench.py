@@ -91,7 +91,10 @@ def _transfer(rank, dev, a, ch):
     # Side by side: every rep times each handoff variant and the link, so load on the shared
     # machine hits them alike. Rep 0 warms up (NCCL connect, allocator, page faults).
     for rep in range(a.reps + 1):
-        for i, lk in enumerate(links):
+        # each rep in another order: no variant always runs first (right after the link's send)
+        for j in range(len(links)):
+            i = (j + rep) % len(links)
+            lk = links[i]
             sid = f"r{rep}-{i}"
             dist.barrier()
             if rank == 0:

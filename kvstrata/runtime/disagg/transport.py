@@ -10,8 +10,10 @@ The context worker (sender) and the generation worker (receiver) each own a page
 3. pages (sender -> receiver): the missing pages move through the tiers' peer path
    (:class:`~kvstrata.tiers.peer.PeerLink`): the same Mover and records (header, payloads, CRCs)
    as every tier, raw or, with ``encode=True`` (a slow link), in each group's codec (``nvfp4``
-   target pages are lossy, ``lossless`` draft pages bit-exact); the receiver verifies every
-   record before it decodes it into pages it reserved for the sequence;
+   target pages are lossy, ``lossless`` draft pages bit-exact), pipelined by chunk (gather,
+   send and decode overlap; both links' ``chunk_pages`` travel in the header and must agree);
+   the receiver verifies every record of a chunk before it decodes it into pages it reserved
+   for the sequence;
 4. the receiver only then commits the tokens (which hashes the full pages and makes them
    findable).
 
