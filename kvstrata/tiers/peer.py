@@ -68,10 +68,10 @@ from .record import build_record, check_groups, check_identity, parse_record, pa
     verify_record
 from .transfer import Mover
 
-#: Bytes per pipelined chunk by default (rounded to whole pages, at least one): big enough that
-#: a chunk's send outlasts the gather of the next one, small enough that the first chunk is on
-#: the link early (measured on the CPU over Gloo: docs/benchmarks.md, "Pipelined handoff").
-LINK_CHUNK_BYTES = 32 << 20
+#: Bytes per pipelined chunk by default (rounded down to whole pages, at least one): 8 pages of
+#: Qwen3-8B + DFlash-b16 (2.56 MiB each). On the CPU over Gloo, 8-page chunks did better than 3
+#: or 12 in every side-by-side run (docs/benchmarks.md, "Pipelined handoff"); on GPUs unmeasured.
+LINK_CHUNK_BYTES = 21 << 20
 _LEN = struct.Struct("<I")
 _ERROR = 0xFFFFFFFF
 
@@ -215,7 +215,7 @@ class PeerLink:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _buffer(self, which: str, shape, device: torch.device | None = None) -> torch.Tensor:
-        """A buffer kept across chunks and handoffs: a fresh buffer of a chunk (~32 MiB) costs
+        """A buffer kept across chunks and handoffs: a fresh buffer of a chunk (~20 MiB) costs
         more in page faults than the copy into it."""
         device = torch.device("cpu") if device is None else device
         n = int(np.prod(shape))

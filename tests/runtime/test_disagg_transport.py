@@ -115,7 +115,8 @@ def _run(rank, port, scenario, q):
                 ch.recv_obj()
                 ch.send_obj({"checksums": {}})
                 os._exit(9)    # die in the middle of the payload
-            stats = send_sequence(ch, mgr, "r", extra={"first_token": 42})
+            stats = send_sequence(ch, mgr, "r", extra={"first_token": 42},
+                                  links=_links(mgr) if scenario == "chunked" else None)
             q.put(("ctx", sent, stats.pages_sent, stats.pages_skipped))
         else:  # generation worker
             pool, mgr = _make()
@@ -129,8 +130,8 @@ def _run(rank, port, scenario, q):
                 q.put(("gen-refused", str(e)))
                 return
             try:
-                seq, extra, stats = recv_sequence(ch, mgr, links=_links(mgr)
-                                                  if scenario == "cut" else None)
+                seq, extra, stats = recv_sequence(ch, mgr, links=_links(mgr) if scenario in
+                                                  ("cut", "chunked") else None)
             except TransferError as e:
                 pool.check_invariants()
                 hashes = page_hashes(mgr.namespace, TOKENS)
@@ -174,8 +175,10 @@ def _scenario(name):
     return results
 
 
-def test_handoff_is_bit_exact_for_both_groups():
-    r = _scenario("plain")
+@pytest.mark.parametrize("scenario", ["plain", "chunked"])
+def test_handoff_is_bit_exact_for_both_groups(scenario):
+    """One chunk, or 3 chunks of 2 pages with 2 in flight (receives posted ahead over Gloo)."""
+    r = _scenario(scenario)
     _, sent, n_sent, n_skipped = r["ctx"]
     _, got, extra, tokens_ok, findable, _ = r["gen"]
     assert (n_sent, n_skipped) == (6, 0) and tokens_ok and findable

@@ -66,7 +66,7 @@ def test_a_page_the_codec_refuses_fails_both_sides():
     assert torch.equal(dst.kv["target"].view(torch.int16), before.view(torch.int16))
 
 
-# -- the pipelined path: chunks, depth, groups, a partial last page, cuts ---------------------------
+# -- the pipelined path: chunks, depth, groups, a partial last page, cuts -------------------------
 class _Flaky:
     """A loopback end that damages the ``damage``-th tensor it sends (one byte) or, at the
     ``cut``-th, closes the link instead (the sender died mid-handoff)."""
@@ -190,7 +190,8 @@ def test_a_cut_mid_transfer_fails_the_receiver_and_frees_its_slots():
     assert len(link.host._free) == link.host.num_slots
     got, err, _ = _move(src, dst, infos, ids, False, 2, 3, link=link)      # the link still works
     assert err is None and isinstance(got, int)
-    assert torch.equal(dst.kv["target"][:9].view(torch.int16), src.kv["target"][:9].view(torch.int16))
+    assert torch.equal(dst.kv["target"][:9].view(torch.int16),
+                       src.kv["target"][:9].view(torch.int16))
 
 
 def test_a_refused_page_mid_transfer_fails_both_and_drains():

@@ -136,7 +136,8 @@ def send_sequence(channel, mgr: KVCacheManager, seq_id: object,
     n_pages = -(-seq.num_tokens // P)
     link = peer_link(mgr, encode, links)
     channel.send_obj({"seq_id": str(seq_id), "chunk_pages": link.chunk,
-                      "token_ids": seq.token_ids, "cache_salt": seq.namespace.cache_salt, "num_pages": n_pages,
+                      "token_ids": seq.token_ids, "cache_salt": seq.namespace.cache_salt,
+                      "num_pages": n_pages,
                       "hashes": [h for h in seq.hashes], "encoded": bool(encode),
                       "extra": extra or {}})
     reply = channel.recv_obj()
