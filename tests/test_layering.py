@@ -2,6 +2,8 @@
 
 kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo, testing) < serve
 < cli < __main__ (``python -m kvstrata``);
+``integrations`` (vLLM / SGLang) ranks with the top layers but uses only tiers, pagepool and codecs
+(never the runtime); no module outside it may import vllm or sglang.
 ``dtypes`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
 blocks and the checkpoint loader, shared by drafter, runtime and training) sit just above them.
 Imports inside functions count too (a lazy import upward is still an upward dependency).
@@ -15,7 +17,7 @@ import kvstrata
 ROOT = Path(kvstrata.__file__).resolve().parent
 RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
         "pagepool": 4, "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8,
-        "demo": 8, "testing": 8, "serve": 9, "cli": 10, "__main__": 11}
+        "demo": 8, "testing": 8, "integrations": 8, "serve": 9, "cli": 10, "__main__": 11}
 
 
 def _top(module_path: Path) -> str:
@@ -65,3 +67,36 @@ def test_imports_only_point_down():
             if dep != me and RANK[dep] >= RANK[me]:
                 bad.append(f"{path.relative_to(ROOT)} ({me}) imports {dep}")
     assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+ENGINES = ("vllm", "sglang")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_integrations_use_only_tiers_pagepool_codecs():
+    allowed = {"integrations", "tiers", "pagepool", "codecs", "kernels", "dtypes"}
+    bad = []
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        for dep in _imported_tops(path) - allowed:
+            bad.append(f"{path.relative_to(ROOT)} imports {dep}")
+    assert not bad, "\n".join(bad)
+
+
+def test_core_never_imports_an_engine():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if _top(path) == "integrations":
+            continue
+        for dep in _imported_modules(path) & set(ENGINES):
+            bad.append(f"{path.relative_to(ROOT)} imports {dep}")
+    assert not bad, "\n".join(bad)

@@ -40,6 +40,9 @@ def _missing(d: Path, parts: tuple[str, ...]) -> list[str]:
 def resolve_model(name: str | os.PathLike, part: str | None = None) -> Path:
     """A shipped model name (or an existing directory) -> its directory.
 
+    A directory that holds ``target/`` and ``drafter/`` (a trained pair) resolves like a shipped
+    name: with ``part``, to that part's directory.
+
     With ``part`` (``"target"`` / ``"drafter"``), a bare model name means that part of it:
     ``resolve_model("kvstrata-tiny-py", part="drafter")`` is the drafter's directory.
 
@@ -48,6 +51,9 @@ def resolve_model(name: str | os.PathLike, part: str | None = None) -> Path:
     """
     p = Path(name)
     if p.is_dir():
+        # a pair directory (``OUT`` of scripts/train_tiny_pair.sh) holds target/ and drafter/
+        if part is not None and (p / part / "config.json").is_file():
+            return p / part
         return p
     s = str(name).strip("/")
     if part is not None and "/" not in s and s in MODELS:

@@ -70,6 +70,7 @@ class PassResult:
     prompt_tokens: int
     generated_tokens: int
     seconds: float
+    ttft_s: float                   # mean time to first token (admission -> first token)
     reused: dict[str, int]          # prompt tokens reused per tier (device/host/disk)
     cold_al: float | None = None    # AL of the same scenario's cold pass (None for cold)
     al_ratio: float | None = None   # warm AL / cold AL
@@ -202,6 +203,7 @@ class _Suite:
             steps=steps,
             prompt_tokens=sum(len(p) for p in self.prompts),
             generated_tokens=sum(len(o.token_ids) for o in outs), seconds=seconds,
+            ttft_s=sum(o.metrics["ttft_s"] for o in outs) / len(outs),
             reused={"device": dev, "host": lower - disk, "disk": disk},
             token_ids=[list(o.token_ids) for o in outs], acceptance_lengths=als)
         if cold is not None:
@@ -319,6 +321,68 @@ def run_acceptance_suite(n_prompts: int = 16, prompt_len: int = 256, max_tokens:
         },
         "passes": passes,
     }
+
+
+#: the prompt-length sweep's default lengths (``kvstrata bench acceptance --prompt-lens``)
+SWEEP_LENS = (256, 1024, 2048, 3584)
+
+
+def run_length_sweep(prompt_lens: Iterable[int] = SWEEP_LENS, n_prompts: int = 16,
+                     max_tokens: int = 128, device: str = "cpu", dtype="float32",
+                     tmpdir: str | os.PathLike | None = None,
+                     scenarios: Iterable[str] = ("paged", "arena", "tiers-mixed"),
+                     model: str = "kvstrata-tiny-py", seed: int = 0) -> dict:
+    """:func:`run_acceptance_suite` once per prompt length (cold / warm per scenario and tier);
+    returns ``{"conditions": {...}, "sweep": [suite result per length]}``."""
+    lens = [int(n) for n in prompt_lens]
+    if not lens:
+        raise ValueError("prompt_lens is empty: give at least one prompt length")
+    if len(set(lens)) != len(lens):
+        raise ValueError(f"prompt_lens has repeats: {lens}")
+    scenarios = tuple(scenarios)
+    t0 = time.perf_counter()
+    runs = []
+    for n in lens:
+        sub = None if tmpdir is None else os.path.join(os.fspath(tmpdir), f"len{n}")
+        runs.append(run_acceptance_suite(n_prompts, n, max_tokens, device, dtype, sub, scenarios,
+                                         model, seed))
+    cond = dict(runs[0]["conditions"])
+    cond.update(prompt_lens=lens, total_s=time.perf_counter() - t0)
+    for k in ("prompt_len", "max_seq_len"):
+        cond.pop(k)
+    return {"conditions": cond, "sweep": runs}
+
+
+def render_sweep_markdown(result: dict) -> str:
+    """One row per prompt length and scenario: cold AL, then warm AL and ratio per tier."""
+    c = result["conditions"]
+    lines = [
+        f"Conditions: `{c['model']}` on {c['device']} ({c['machine']}, {c['threads']} threads), "
+        f"{c['dtype']}, torch {c['torch']}; {c['n_prompts']} held-out prompts per length (seed "
+        f"{c['seed']}), {c['max_tokens']} new tokens, page size {c['page_size']}; whole sweep "
+        f"{c['total_s']:.1f} s. AL / cold in parentheses; TTFT = mean admission -> first token "
+        f"of the pass (cold = the whole prompt recomputed).",
+        "",
+        "| prompt | scenario | backend | codecs | cold AL | cold AL first 4 | warm from | warm AL "
+        "| warm AL first 4 | tokens = cold | TTFT cold ms | TTFT warm ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in result["sweep"]:
+        n = run["conditions"]["prompt_len"]
+        cold = None
+        for p in run["passes"]:
+            if p["kind"] == "cold":
+                cold = p
+                continue
+            codecs = (f"{p['target_codec']} / {p['draft_codec']}" if p["scenario"] in TIER_CODECS
+                      else "-")
+            lines.append(
+                f"| {n} | {p['scenario']} | {p['backend']} | {codecs} | {cold['mean_al']:.3f} | "
+                f"{cold['early_al']:.3f} | {p['source']} | {p['mean_al']:.3f} "
+                f"({'-' if p['al_ratio'] is None else format(p['al_ratio'], '.3f')}) | "
+                f"{p['early_al']:.3f} | {_same(p)} | "
+                f"{cold['ttft_s'] * 1e3:.1f} | {p['ttft_s'] * 1e3:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 def _same(p: dict) -> str:

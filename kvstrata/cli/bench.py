@@ -3,6 +3,8 @@
     kvstrata bench acceptance                       # 16 prompts x 256 tokens, 128 new, CPU fp32
     kvstrata bench acceptance --prompts 4 --max-tokens 32 --out acc.md
     kvstrata bench acceptance --out acc.json        # every pass, with tokens and per-step ALs
+    kvstrata bench acceptance --prompt-lens 256,1024,2048,3584 --scenarios paged,arena,tiers-mixed
+                                                    # prompt-length sweep: cold / warm per tier
 
 ``acceptance`` runs the acceptance-length suite (``kvstrata.bench.acceptance``): AL of a cold pass
 and of a warm pass (prefix from the device pool, the host tier or the disk tier) per drafter
@@ -26,6 +28,9 @@ def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="model and pool dtype (or 'auto')")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts")
     p.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
+    p.add_argument("--prompt-lens", default=None, metavar="N,N,...",
+                   help="sweep: run the suite once per prompt length (e.g. 256,1024,2048,3584) "
+                        "and print one row per length, scenario and tier")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated subset of {','.join(SCENARIOS)}")
@@ -50,15 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_acceptance(args: argparse.Namespace) -> int:
     import torch
 
-    from kvstrata.bench.acceptance import render_markdown, run_acceptance_suite
+    from kvstrata.bench.acceptance import (render_markdown, render_sweep_markdown,
+                                           run_acceptance_suite, run_length_sweep)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     scenarios = [s for s in args.scenarios.split(",") if s]
-    result = run_acceptance_suite(args.prompts, args.prompt_len, args.max_tokens, args.device,
-                                  args.dtype, args.dir, scenarios=scenarios, model=args.model,
-                                  seed=args.seed)
-    md = render_markdown(result)
+    if args.prompt_lens:
+        try:
+            lens = [int(x) for x in args.prompt_lens.split(",") if x.strip()]
+        except ValueError:
+            print(f"kvstrata bench acceptance: --prompt-lens must be comma-separated integers, "
+                  f"got {args.prompt_lens!r}", file=sys.stderr)
+            return 2
+        result = run_length_sweep(lens, args.prompts, args.max_tokens, args.device, args.dtype,
+                                  args.dir, scenarios=scenarios, model=args.model, seed=args.seed)
+        md = render_sweep_markdown(result)
+    else:
+        result = run_acceptance_suite(args.prompts, args.prompt_len, args.max_tokens, args.device,
+                                      args.dtype, args.dir, scenarios=scenarios,
+                                      model=args.model, seed=args.seed)
+        md = render_markdown(result)
     sys.stdout.write(md)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

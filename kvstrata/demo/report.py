@@ -29,18 +29,25 @@ def to_json(res: DemoResult, extra: dict | None = None) -> dict:
         rows.append({"turn": p.turn, "prompt_tokens": p.prompt_tokens,
                      "reused_device": p.reused_device, "reused_host": p.reused_host,
                      "reused_disk": p.reused_disk, "al_paged": p.acceptance_length,
-                     "al_arena": a.acceptance_length, "ttft_s_paged": p.ttft_s,
+                     "al_arena": a.acceptance_length,
+                     "al_first_steps_paged": p.early_acceptance_length,
+                     "al_first_steps_arena": a.early_acceptance_length, "ttft_s_paged": p.ttft_s,
                      "ttft_s_arena": a.ttft_s, "tokens_per_s_paged": p.tokens_per_s,
                      "tokens_per_s_arena": a.tokens_per_s})
     doc = {
         "config": {"conversations": cfg.conversations, "turns": cfg.turns,
                    "max_tokens": cfg.max_tokens, "snippet_bytes": cfg.snippet_bytes,
+                   "context_bytes": cfg.context_bytes,
                    "seed": cfg.seed, "device": cfg.device, "dtype": str(cfg.dtype).split(".")[-1],
                    "model": cfg.model, "page_size": cfg.page_size,
                    "max_batch_size": cfg.max_batch_size},
         "conversations": res.conversations,
         "turns": rows,
         "al": {b: _overall_al(r) for b, r in res.runs.items()},
+        "al_first_steps": {b: _overall_al(r, early=True) for b, r in res.runs.items()},
+        "al_gain": _gain(res), "al_first_steps_gain": _gain(res, early=True),
+        "divergences": [d.as_dict() for d in res.divergences],
+        "al_texts": _texts(res),
         "runs": {b: r.as_dict() for b, r in res.runs.items()},
         "checked_requests": res.checked_requests,
         "problems": list(res.problems),
@@ -50,9 +57,42 @@ def to_json(res: DemoResult, extra: dict | None = None) -> dict:
     return doc
 
 
-def _overall_al(run) -> float:
-    steps = sum(t.steps for t in run.turns)
-    return sum(t.committed_in_steps for t in run.turns) / steps if steps else 0.0
+def _overall_al(run, early: bool = False) -> float:
+    """Tokens per step over all turns (``early``: each request's first EARLY_STEPS steps)."""
+    steps = sum(t.early_steps if early else t.steps for t in run.turns)
+    done = sum(t.early_committed if early else t.committed_in_steps for t in run.turns)
+    return done / steps if steps else 0.0
+
+
+def _gain(res: DemoResult, early: bool = False) -> float:
+    """Paged over arena AL, as a fraction (0.15 = +15%)."""
+    a = _overall_al(res.runs["arena"], early)
+    return _overall_al(res.runs["paged"], early) / a - 1 if a else 0.0
+
+
+def _texts(res: DemoResult) -> str:
+    """What the AL comparison compares: identical answers, or answers that part at near-ties."""
+    if not res.divergences:
+        return (f"identical texts: all {res.checked_requests} answers over exact K/V are equal "
+                f"across backends")
+    return (f"near-identical texts: {len(res.divergences)} of {res.checked_requests} answers over "
+            f"exact K/V part at a near-tie of the target (both tokens within "
+            f"{res.divergences[0].tolerance:g} nats of the float32 reference maximum), so AL is "
+            f"compared on texts that differ after that token")
+
+
+def summary_line(res: DemoResult) -> str:
+    """The headline: paged over arena AL overall and over each request's first steps."""
+    from .runner import EARLY_STEPS
+    p, a = res.runs["paged"], res.runs["arena"]
+    return (f"AL paged {_overall_al(p):.2f} vs arena {_overall_al(a):.2f} "
+            f"({_gain(res) * 100:+.1f}%); first {EARLY_STEPS} steps of each answer "
+            f"{_overall_al(p, True):.2f} vs {_overall_al(a, True):.2f} "
+            f"({_gain(res, True) * 100:+.1f}%)")
+
+
+def token_check_line(res: DemoResult) -> str:
+    return _texts(res)
 
 
 def turn_table(res: DemoResult):
@@ -61,19 +101,22 @@ def turn_table(res: DemoResult):
     t = Table(title=f"{res.config.conversations} conversations x {res.config.turns} turns; "
                     f"prefix tokens reused per tier (paged run); p = paged, a = arena")
     for col in ("turn", "prompt", "device", "host", "disk", "AL p", "AL a", "AL gain",
-                "TTFT p/a ms", "tok/s p/a"):
+                "first 4 p/a", "TTFT p/a ms", "tok/s p/a"):
         t.add_column(col, justify="right", no_wrap=True)
     for p, a in zip(paged.turns, arena.turns):
         gain = (p.acceptance_length / a.acceptance_length - 1) * 100 if a.acceptance_length else 0
         t.add_row(str(p.turn), str(p.prompt_tokens), str(p.reused_device), str(p.reused_host),
                   str(p.reused_disk), f"{p.acceptance_length:.2f}", f"{a.acceptance_length:.2f}",
-                  f"{gain:+.1f}%", f"{p.ttft_s * 1e3:.0f} / {a.ttft_s * 1e3:.0f}",
+                  f"{gain:+.1f}%",
+                  f"{p.early_acceptance_length:.2f} / {a.early_acceptance_length:.2f}",
+                  f"{p.ttft_s * 1e3:.0f} / {a.ttft_s * 1e3:.0f}",
                   f"{p.tokens_per_s:.0f} / {a.tokens_per_s:.0f}")
     ap, aa = _overall_al(paged), _overall_al(arena)
     t.add_row("all", str(sum(x.prompt_tokens for x in paged.turns)),
               *(str(sum(getattr(x, k) for x in paged.turns))
                 for k in ("reused_device", "reused_host", "reused_disk")),
-              f"{ap:.2f}", f"{aa:.2f}", f"{(ap / aa - 1) * 100 if aa else 0:+.1f}%", "", "",
+              f"{ap:.2f}", f"{aa:.2f}", f"{(ap / aa - 1) * 100 if aa else 0:+.1f}%",
+              f"{_overall_al(paged, True):.2f} / {_overall_al(arena, True):.2f}", "", "",
               style="bold")
     return t
 

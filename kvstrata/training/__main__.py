@@ -53,10 +53,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gamma", type=float, default=d.gamma)
     g.add_argument("--selfgen-seqs", type=int, default=d.selfgen_seqs,
                    help="target-generated training sequences (0 = corpus only)")
+    g.add_argument("--selfgen-new-tokens", type=int, default=d.selfgen_new_tokens,
+                   help="greedy tokens generated after each self-generation prompt")
     g.add_argument("--selfgen-mix", type=float, default=d.selfgen_mix)
     g.add_argument("--selfgen-max-seconds", type=float, default=d.selfgen_max_seconds)
     g.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     g.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens)
+    g.add_argument("--eval-prompt-lens", default=",".join(map(str, d.eval_prompt_lens)),
+                   help="comma-separated prompt lengths of the dense AL-by-length evaluation")
     g.add_argument("--drafter-seed", type=int, default=d.seed)
     return p.parse_args(argv)
 
@@ -75,19 +79,25 @@ def main(argv=None) -> int:
         steps=a.drafter_steps, batch_size=a.drafter_batch, seq_len=a.drafter_seq_len,
         lr=a.drafter_lr, max_seconds=a.drafter_max_seconds, num_layers=a.drafter_layers,
         anchors=a.anchors, gamma=a.gamma, selfgen_seqs=a.selfgen_seqs,
-        selfgen_mix=a.selfgen_mix, selfgen_max_seconds=a.selfgen_max_seconds,
-        eval_prompts=a.eval_prompts, eval_new_tokens=a.eval_new_tokens, seed=a.drafter_seed)
+        selfgen_new_tokens=a.selfgen_new_tokens, selfgen_mix=a.selfgen_mix,
+        selfgen_max_seconds=a.selfgen_max_seconds, eval_prompts=a.eval_prompts,
+        eval_new_tokens=a.eval_new_tokens,
+        eval_prompt_lens=tuple(int(x) for x in a.eval_prompt_lens.split(",") if x),
+        seed=a.drafter_seed)
     train_tokens = None
     if a.smoke:
         from ..assets.corpus import load_tokens
 
         train_tokens = load_tokens("train")[:300_000]
-        tcfg = replace(tcfg, steps=min(tcfg.steps, 30), batch_size=4, seq_len=128, warmup=5,
-                       eval_windows=4, log_every=10)
-        dcfg = replace(dcfg, steps=min(dcfg.steps, 30), batch_size=4, seq_len=96, anchors=4,
+        # no time caps: a busy CPU must not cut a smoke run short (the step counts bound it)
+        tcfg = replace(tcfg, steps=min(tcfg.steps, 30), batch_size=4, seq_len=256, warmup=5,
+                       eval_windows=4, log_every=10, max_seconds=1e9)
+        dcfg = replace(dcfg, steps=min(dcfg.steps, 30), batch_size=4, seq_len=160, anchors=4,
                        num_taps=2, warmup=5, selfgen_seqs=min(dcfg.selfgen_seqs, 8),
-                       selfgen_prompt_len=32, gen_batch=8, eval_prompts=4, eval_prompt_len=32,
-                       eval_new_tokens=64, log_every=10)
+                       selfgen_prompt_len=16, selfgen_new_tokens=48, gen_batch=4,
+                       eval_prompts=4, eval_prompt_len=32, eval_new_tokens=64,
+                       eval_prompt_lens=(32, 96), eval_len_prompts=2, eval_len_new_tokens=40,
+                       log_every=10, max_seconds=1e9, selfgen_max_seconds=1e9)
     if a.steps is not None:
         tcfg, dcfg = replace(tcfg, steps=a.steps), replace(dcfg, steps=a.steps)
     taps = [int(x) for x in a.taps.split(",")] if a.taps else None
@@ -109,6 +119,7 @@ def main(argv=None) -> int:
         summary["drafter"] = {k: s[k] for k in ("params", "steps", "bound_by", "train_seconds",
                                                  "total_seconds", "selfgen_seqs", "heldout_al")}
         summary["drafter"]["accept_rate"] = s["heldout_report"]["accept_rate"]
+        summary["drafter"]["heldout_al_by_prompt_len"] = s["heldout_al_by_prompt_len"]
         log(f"[time] drafter stage done at {time.perf_counter() - t0:.0f}s")
     sizes = {p.parent.name: p.stat().st_size for p in out.glob("*/model.safetensors")}
     summary["weights_bytes"] = sizes

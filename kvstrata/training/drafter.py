@@ -4,9 +4,13 @@ Recipe (the published DFlash one): the target is frozen; its taps (outputs of de
 ``target_layer_ids``) of the *clean* sequence form the drafter's context; every training sequence
 carries ``anchors`` random blocks ``[x_a, MASK x (B-1)]`` (all in one attention call, see
 :mod:`.dflash_dense`), and block output ``k`` is trained with cross-entropy against ``x_{a+k}``,
-weighted by ``exp(-(k-1)/gamma)``. Optionally (``selfgen_seqs > 0``) part of the data is the
-target's own greedy continuation of training-corpus prompts, with anchors only in the generated
-part: greedy acceptance is measured against exactly that text.
+weighted by ``exp(-(k-1)/gamma)``. Training windows are long (4,096 tokens by default) and the
+corpus rows' anchors are spread over the whole window, so the drafter learns to draft from any
+context length up to the target's ``max_position_embeddings``. Optionally (``selfgen_seqs > 0``)
+part of the data is the target's own greedy continuation (``selfgen_new_tokens``) of
+training-corpus prompts whose lengths are stratified over ``[selfgen_prompt_len, seq_len -
+selfgen_new_tokens]``, with anchors only in the generated part: greedy acceptance is measured
+against exactly that text, after short and long prompts alike.
 
 Output: ``config.json`` (z-lab layout: ``block_size``, ``num_target_layers``,
 ``dflash_config{mask_token_id, target_layer_ids}``) and bf16 ``model.safetensors``.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,26 +83,30 @@ def drafter_config(target_config: dict, *, num_layers: int = 2, taps: list[int] 
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    steps: int = 6000
-    batch_size: int = 64
-    seq_len: int = 512
-    anchors: int = 32
+    steps: int = 20000              # the time cap binds on an H200 (training.json records steps)
+    batch_size: int = 16
+    seq_len: int = 4096
+    anchors: int = 128
     lr: float = 1.5e-3
     weight_decay: float = 0.01
     warmup: int = 100
     gamma: float = 7.0
-    max_seconds: float = 150.0
+    max_seconds: float = 120.0
     num_layers: int = 2
     num_taps: int = 4
     block_size: int = 16
     selfgen_seqs: int = 8192        # target-generated training sequences (0: corpus only)
-    selfgen_prompt_len: int = 64
+    selfgen_prompt_len: int = 64    # shortest prompt; lengths are stratified up to the window
+    selfgen_new_tokens: int = 256   # greedy tokens generated after each prompt
     selfgen_mix: float = 0.75       # fraction of each batch drawn from the self-generated set
-    selfgen_max_seconds: float = 60.0
+    selfgen_max_seconds: float = 25.0
     gen_batch: int = 1024
     eval_prompts: int = 64
     eval_prompt_len: int = 128
     eval_new_tokens: int = 256
+    eval_prompt_lens: tuple[int, ...] = (256, 1024, 2048, 3584)   # dense AL per prompt length
+    eval_len_prompts: int = 32
+    eval_len_new_tokens: int = 128
     log_every: int = 200
     seed: int = 4321
 
@@ -106,8 +115,12 @@ class DrafterTrainConfig:
             raise ValueError(f"seq_len={self.seq_len} must exceed block_size+1 and anchors >= 1")
         if not 0.0 <= self.selfgen_mix <= 1.0:
             raise ValueError(f"selfgen_mix must be in [0, 1], got {self.selfgen_mix}")
-        if self.selfgen_seqs and self.selfgen_prompt_len + self.block_size >= self.seq_len:
-            raise ValueError("selfgen_prompt_len + block_size must be < seq_len")
+        if self.selfgen_seqs and (self.selfgen_new_tokens < self.block_size + 1 or
+                                  self.selfgen_prompt_len + self.selfgen_new_tokens
+                                  > self.seq_len):
+            raise ValueError(f"selfgen_new_tokens={self.selfgen_new_tokens} must exceed "
+                             f"block_size={self.block_size} and selfgen_prompt_len + "
+                             f"selfgen_new_tokens must fit in seq_len={self.seq_len}")
 
 
 def sample_anchors(batch: int, lo: int, hi: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -135,23 +148,55 @@ def block_loss(drafter: DenseDFlash, target, ids: torch.Tensor, anchors: torch.T
     return loss, match
 
 
-def self_generated(target, cfg: DrafterTrainConfig, device: torch.device) -> torch.Tensor | None:
-    """Greedy target continuations of training-corpus prompts, ``[n, seq_len]`` (time-capped)."""
+@dataclass
+class SelfGenerated:
+    """Greedy target continuations: ``seqs [n, seq_len]`` (``PAD`` after the generated part) and
+    ``prompt_len [n]`` (where each row's generated part starts)."""
+
+    seqs: torch.Tensor
+    prompt_len: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.seqs.shape[0]
+
+
+def selfgen_prompt_lengths(cfg: DrafterTrainConfig) -> list[int]:
+    """One prompt length per generation batch, stratified over ``[selfgen_prompt_len, seq_len -
+    selfgen_new_tokens]`` (batch ``k`` draws from the ``k``-th equal slice) and shuffled, so a time
+    cap that stops generation early drops random strata, not the long prompts."""
+    lo, hi = cfg.selfgen_prompt_len, cfg.seq_len - cfg.selfgen_new_tokens
+    n = -(-cfg.selfgen_seqs // cfg.gen_batch)
+    rng = random.Random(cfg.seed)
+    lens = [rng.randint(lo + (hi - lo) * k // n, max(lo + (hi - lo) * k // n,
+                                                     lo + (hi - lo) * (k + 1) // n - 1))
+            for k in range(n)]
+    rng.shuffle(lens)
+    return lens
+
+
+def self_generated(target, cfg: DrafterTrainConfig, device: torch.device
+                   ) -> SelfGenerated | None:
+    """Greedy target continuations of training-corpus prompts of stratified lengths
+    (time-capped by ``selfgen_max_seconds``)."""
     if cfg.selfgen_seqs <= 0:
         return None
     t0 = time.perf_counter()
-    prompts = torch.tensor(line_prompts(corpus_files("train"), cfg.selfgen_seqs,
-                                        cfg.selfgen_prompt_len, cfg.seed), device=device)
-    new = cfg.seq_len - cfg.selfgen_prompt_len
-    out = []
-    for i in range(0, prompts.shape[0], cfg.gen_batch):
-        out.append(greedy_generate(target, prompts[i:i + cfg.gen_batch], new, cfg.gen_batch))
+    files = corpus_files("train")
+    seqs, starts = [], []
+    for k, p in enumerate(selfgen_prompt_lengths(cfg)):
+        n = min(cfg.gen_batch, cfg.selfgen_seqs - k * cfg.gen_batch)
+        prompts = torch.tensor(line_prompts(files, n, p, cfg.seed + k), device=device)
+        rows = torch.full((n, cfg.seq_len), tok.PAD, dtype=torch.long, device=device)
+        rows[:, :p + cfg.selfgen_new_tokens] = greedy_generate(target, prompts,
+                                                               cfg.selfgen_new_tokens, n)
+        seqs.append(rows)
+        starts.append(torch.full((n,), p, dtype=torch.long))
         if time.perf_counter() - t0 > cfg.selfgen_max_seconds:
             break
-    seqs = torch.cat(out)
-    log(f"[drafter] self-generated {seqs.shape[0]} x {new} tokens in "
-        f"{time.perf_counter() - t0:.0f}s")
-    return seqs
+    out = SelfGenerated(torch.cat(seqs), torch.cat(starts))
+    log(f"[drafter] self-generated {len(out)} x {cfg.selfgen_new_tokens} tokens after prompts of "
+        f"{sorted(set(out.prompt_len.tolist()))} tokens in {time.perf_counter() - t0:.0f}s")
+    return out
 
 
 def save_drafter(drafter: DenseDFlash, out_dir: str | os.PathLike, meta: dict | None = None
@@ -214,9 +259,11 @@ def train_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         set_lr(opt, clock.lr_at(step))
         parts, anchors = [], []
         if n_self:
-            rows = torch.randint(0, selfgen.shape[0], (n_self,), generator=gen)
-            parts.append(selfgen[rows.to(dev)])
-            anchors.append(sample_anchors(n_self, cfg.selfgen_prompt_len, hi, cfg.anchors, gen))
+            rows = torch.randint(0, len(selfgen), (n_self,), generator=gen)
+            parts.append(selfgen.seqs[rows.to(dev)])
+            # anchors in the generated part only: [p, p + new_tokens - block_size] per row
+            anchors.append(sample_anchors(n_self, 0, cfg.selfgen_new_tokens - cfg.block_size,
+                                          cfg.anchors, gen) + selfgen.prompt_len[rows][:, None])
         if cfg.batch_size - n_self:
             parts.append(corpus.sample(cfg.batch_size - n_self, cfg.seq_len, gen))
             anchors.append(sample_anchors(cfg.batch_size - n_self, 1, hi, cfg.anchors, gen))
@@ -233,18 +280,28 @@ def train_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         report = acceptance_length(target, drafter,
                                    heldout_prompts(cfg.eval_prompts, cfg.eval_prompt_len, seed=0),
                                    cfg.eval_new_tokens, gen_batch=cfg.gen_batch)
+        by_len = {n: acceptance_length(target, drafter,
+                                       heldout_prompts(cfg.eval_len_prompts, n, seed=0),
+                                       cfg.eval_len_new_tokens, gen_batch=cfg.gen_batch).mean_al
+                  for n in cfg.eval_prompt_lens}
     log(f"[drafter] done: {step} steps ({clock.bound(step)}) in {train_s:.0f}s; held-out "
         f"{report.summary()}")
+    log(f"[drafter] held-out greedy AL by prompt length ({cfg.eval_len_prompts} prompts x "
+        f"{cfg.eval_len_new_tokens} new tokens): "
+        + ", ".join(f"{n}: {al:.3f}" for n, al in by_len.items()))
     summary = {"params": n_params, "steps": step, "bound_by": clock.bound(step),
                "train_seconds": round(train_s, 1),
                "total_seconds": round(time.perf_counter() - t_start, 1),
-               "selfgen_seqs": 0 if selfgen is None else int(selfgen.shape[0]),
-               "heldout_al": round(report.mean_al, 4), "heldout_report": report.to_dict(),
+               "selfgen_seqs": 0 if selfgen is None else len(selfgen),
+               "heldout_al": round(report.mean_al, 4),
+               "heldout_al_by_prompt_len": {str(n): round(al, 4) for n, al in by_len.items()},
+               "heldout_report": report.to_dict(),
                "train": asdict(cfg), "target_dir": str(target_dir), "device": str(dev),
                "torch": torch.__version__}
     save_drafter(drafter, out_dir, summary)
     return summary
 
 
-__all__ = ["DrafterTrainConfig", "block_loss", "drafter_config", "load_drafter",
-           "sample_anchors", "save_drafter", "self_generated", "spread_taps", "train_drafter"]
+__all__ = ["DrafterTrainConfig", "SelfGenerated", "block_loss", "drafter_config", "load_drafter",
+           "sample_anchors", "save_drafter", "self_generated", "selfgen_prompt_lengths",
+           "spread_taps", "train_drafter"]

@@ -62,7 +62,8 @@ def greedy_generate(model, prompts: torch.Tensor, new_tokens: int, batch: int = 
     outs = []
     for i in range(0, prompts.shape[0], batch):
         x = prompts[i:i + batch]
-        out = model(input_ids=x, use_cache=True)
+        # only the last position's logits: a [batch, 4k, vocab] prefill tensor would be GBs
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         past, seq = out.past_key_values, [x]
         nxt = out.logits[:, -1].argmax(-1)
         for _ in range(new_tokens - 1):

@@ -61,13 +61,13 @@ class TargetShape:
 @dataclass(frozen=True)
 class TargetTrainConfig:
     steps: int = 3000
-    batch_size: int = 64
-    seq_len: int = 1024
+    batch_size: int = 16
+    seq_len: int = 4096             # whole windows of max_position_embeddings: positions 0..4095
     lr: float = 3e-3
     weight_decay: float = 0.1
     warmup: int = 100
-    max_seconds: float = 210.0
-    eval_windows: int = 64
+    max_seconds: float = 90.0
+    eval_windows: int = 32
     log_every: int = 100
     seed: int = 1234
 
@@ -129,6 +129,9 @@ def train_target(out_dir: str | os.PathLike, *, shape: TargetShape = TargetShape
 
     ``train_tokens``/``heldout_tokens`` (``[N] int16``) default to the stdlib corpus split.
     """
+    if cfg.seq_len > shape.max_position_embeddings:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds max_position_embeddings="
+                         f"{shape.max_position_embeddings}")
     dev = resolve_device(device)
     gen = seed_everything(cfg.seed)
     train = TokenStream(train_tokens if train_tokens is not None else load_tokens("train")).to(dev)
@@ -158,7 +161,7 @@ def train_target(out_dir: str | os.PathLike, *, shape: TargetShape = TargetShape
             log(f"[target] step {step} loss {lv:.4f} ({lv / math.log(2):.3f} bits/byte) "
                 f"lr {clock.lr_at(step):.2e} {tps / 1e6:.2f}M tok/s {clock.elapsed:.0f}s")
     train_s = clock.elapsed
-    ev = heldout_loss(model, held, cfg.eval_windows, min(cfg.seq_len, 1024), dev)
+    ev = heldout_loss(model, held, cfg.eval_windows, cfg.seq_len, dev)
     summary = {"params": n_params, "steps": step, "bound_by": clock.bound(step),
                "train_seconds": round(train_s, 1),
                "tokens_seen": step * cfg.batch_size * cfg.seq_len,

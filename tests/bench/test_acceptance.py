@@ -127,3 +127,25 @@ def test_bad_arguments():
         run_acceptance_suite(1, 32, 4, scenarios=("paged", "nope"))
     with pytest.raises(ValueError, match="no full 16-token page"):
         run_acceptance_suite(1, 16, 4)
+
+
+def test_prompt_length_sweep_cli(tmp_path, capsys):
+    """``--prompt-lens``: one suite per length, one markdown row per warm pass, JSON per length."""
+    out = tmp_path / "sweep.json"
+    rc = cli_main(["bench", "acceptance", "--prompts", "1", "--prompt-lens", "40,72",
+                   "--max-tokens", "4", "--scenarios", "paged,tiers-lossless",
+                   "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["conditions"]["prompt_lens"] == [40, 72]
+    assert [r["conditions"]["prompt_len"] for r in res["sweep"]] == [40, 72]
+    for run, n in zip(res["sweep"], (40, 72)):
+        warm = {p["source"]: p for p in run["passes"] if p["kind"] == "warm"}
+        assert set(warm) == {"device", "host", "disk"}
+        assert warm["device"]["reused"]["device"] == (n - 1) // 16 * 16
+        assert all(p["tokens_identical"] and p["ttft_s"] > 0 for p in warm.values())
+    md = capsys.readouterr().out
+    assert md.count("\n| 40 | ") == 3 and md.count("\n| 72 | ") == 3   # device, host, disk rows
+    assert "| 72 | tiers-lossless | paged | lossless / lossless |" in md
+    assert cli_main(["bench", "acceptance", "--prompt-lens", "40,x"]) == 2
+    assert "--prompt-lens must be comma-separated integers" in capsys.readouterr().err

@@ -15,7 +15,8 @@ def _demo(tmp_path, *extra):
     threads = torch.get_num_threads()
     try:
         return main(["demo", "--device", "cpu", "--conversations", "2", "--turns", "2",
-                     "--max-tokens", "96", "--plot", str(tmp_path / "demo.png"),
+                     "--max-tokens", "96", "--context-bytes", "400", "--user-bytes", "32",
+                     "--plot", str(tmp_path / "demo.png"),
                      "--json", str(tmp_path / "demo.json"), *extra])
     finally:
         torch.set_num_threads(threads)
@@ -78,3 +79,64 @@ def test_demo_fails_on_corrupt_pages(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(TierManager, "stats", with_failure)
     assert _demo(tmp_path, "--turns", "1", "--max-tokens", "8") == 1
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_demo_reports_first_steps_and_what_the_al_compares(demo):
+    _, _, doc = demo
+    assert doc["config"]["context_bytes"] == 400 and doc["config"]["snippet_bytes"] == 32
+    t1, t2 = doc["turns"]
+    assert t1["prompt_tokens"] > 2 * 400 * 0.8          # the first turn pastes the context
+    for t in (t1, t2):
+        assert t["al_first_steps_paged"] >= 1.0 and t["al_first_steps_arena"] >= 1.0
+    assert doc["al_gain"] == pytest.approx(doc["al"]["paged"] / doc["al"]["arena"] - 1)
+    assert doc["al_texts"].startswith(("identical texts", "near-identical texts"))
+    assert all(d["near_tie"] for d in doc["divergences"])
+
+
+def _result(paged, arena, prompts, dtype=torch.float32):
+    """A two-backend DemoResult over given answers (one turn, exact K/V everywhere)."""
+    from kvstrata.demo.runner import BackendRun, DemoConfig, DemoResult, _check_tokens
+
+    runs = {b: BackendRun(b, [], [outs], [[False] * len(outs)], {}, {}, {}, "", 0.0)
+            for b, outs in (("paged", paged), ("arena", arena))}
+    res = DemoResult(DemoConfig(workdir="/nonexistent", dtype=dtype), ["a.py"] * len(paged),
+                     runs)
+    _check_tokens(res, [prompts])
+    return res
+
+
+def test_token_check_allows_near_ties_only(monkeypatch):
+    """Issue 14 item 9: answers over exact K/V may part only where the target's float32 logits
+    of the two tokens are within the dtype's tolerance of the maximum."""
+    from kvstrata.assets.corpus import heldout_prompts
+    from kvstrata.demo.check import TIE_TOLERANCE, ReferenceTarget
+
+    prompt = heldout_prompts(1, 64, seed=3)[0]
+    logits = ReferenceTarget("kvstrata-tiny-py").next_logits(prompt)
+    top = logits.topk(2)
+    best, second = int(top.indices[0]), int(top.indices[1])
+    gap = float(top.values[0] - top.values[1])
+    worst = int(logits.argmin())
+    same = _result([[best, 1]], [[best, 1]], [prompt])
+    assert same.ok and same.checked_requests == 1 and not same.divergences
+    # a real bug: the arena run commits a token the target ranks last
+    bug = _result([[best, 1]], [[worst, 1]], [prompt])
+    assert not bug.ok and "no near-tie" in bug.problems[0]
+    assert bug.divergences[0].gaps[0] == 0.0 and bug.divergences[0].gaps[1] > 1.0
+    # the runner-up: a near-tie exactly when the gap is within the run's dtype tolerance
+    for tol, ok in ((gap + 0.01, True), (gap - 0.01, False)):
+        monkeypatch.setitem(TIE_TOLERANCE, torch.bfloat16, tol)
+        tie = _result([[best]], [[second]], [prompt], dtype=torch.bfloat16)
+        assert tie.ok is ok and tie.divergences[0].near_tie is ok
+        assert tie.divergences[0].gaps == pytest.approx((0.0, gap), abs=1e-4)
+    # one answer a strict prefix of the other: nothing to compare, always a problem
+    cut = _result([[best, 1]], [[best]], [prompt])
+    assert not cut.ok and "strict prefix" in cut.problems[0]
+
+
+def test_long_preset_and_bad_options(tmp_path, capsys):
+    from kvstrata.cli.demo import DEFAULT, LONG
+
+    assert LONG["turns"] > DEFAULT["turns"] and LONG["context_bytes"] >= DEFAULT["context_bytes"]
+    assert _demo(tmp_path, "--context-bytes", "-1") == 2
+    assert "context_bytes (--context-bytes) must be an integer >= 0" in capsys.readouterr().out

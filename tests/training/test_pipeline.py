@@ -15,11 +15,66 @@ from kvstrata.training.drafter import load_drafter  # noqa: E402
 from kvstrata.training.evaluate import acceptance_length, load_hf_target  # noqa: E402
 
 
+POISON = b"HELDOUT_POISON = 1  # must never reach a training batch\n"
+RECORD: dict[str, list] = {}
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """The smoke pipeline over a stdlib root whose held-out modules are replaced by a marker
+    line: every token a training step sees (corpus windows of both stages, self-generation
+    prompts) is recorded for :func:`test_heldout_split_never_reaches_training`."""
+    from kvstrata.assets import corpus
+    from kvstrata.training import drafter
+
     out = tmp_path_factory.mktemp("pair")
-    assert main([str(out), "--device", "cpu", "--smoke", "--steps", "25"]) == 0
+    root = tmp_path_factory.mktemp("stdlib")
+    real = corpus.stdlib_root()
+    size = 0
+    for f in corpus.corpus_files("train"):
+        if size > 400_000:
+            break
+        dst = root / f.relative_to(real)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.symlink_to(f)
+        size += f.stat().st_size
+    for h in corpus.HELDOUT:
+        (root / h).parent.mkdir(parents=True, exist_ok=True)
+        (root / h).write_bytes(POISON * 100)
+    seen: list[torch.Tensor] = []
+    sample, line_prompts = corpus.TokenStream.sample, drafter.line_prompts
+
+    def recorded_sample(self, *a, **k):
+        seen.append(sample(self, *a, **k).cpu())
+        return seen[-1]
+
+    def recorded_prompts(*a, **k):
+        p = line_prompts(*a, **k)
+        seen.extend(torch.tensor([x]) for x in p)
+        return p
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(corpus, "stdlib_root", lambda: root)
+        mp.setattr(corpus.TokenStream, "sample", recorded_sample)
+        mp.setattr(drafter, "line_prompts", recorded_prompts)
+        assert main([str(out), "--device", "cpu", "--smoke", "--steps", "25"]) == 0
+        heldout = corpus.heldout_prompts(2, 40, seed=0)
+    RECORD.update(seen=seen, heldout=heldout)
     return out
+
+
+def _has_poison(tokens) -> bool:
+    data = bytes(t for t in torch.as_tensor(tokens).flatten().tolist() if t < 256)
+    return POISON[:24] in data
+
+
+def test_heldout_split_never_reaches_training(pair):
+    # the marker is what evaluation reads (so the check can fail) ...
+    assert all(_has_poison(p) for p in RECORD["heldout"])
+    # ... and no corpus window or self-generation prompt of either stage holds any of it
+    # a window per target step, a corpus window per drafter step, 8 self-generation prompts
+    assert len(RECORD["seen"]) == 25 + 25 + 8
+    assert not any(_has_poison(t) for t in RECORD["seen"])
 
 
 def test_outputs_and_summary(pair):

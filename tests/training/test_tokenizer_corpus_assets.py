@@ -109,7 +109,26 @@ def test_assets_resolution(tmp_path, monkeypatch):
         (d / "model.safetensors").write_bytes(b"")
     assert assets.resolve_model("kvstrata-tiny-py/target") == tmp_path / "kvstrata-tiny-py/target"
     assert assets.resolve_model("kvstrata-tiny-py") == tmp_path / "kvstrata-tiny-py"
+    # a trained pair directory (OUT of train_tiny_pair.sh) resolves per part, like a name
+    pair = tmp_path / "kvstrata-tiny-py"
+    assert assets.resolve_model(pair, part="drafter") == pair / "drafter"
+    assert assets.resolve_model(pair / "target", part="target") == pair / "target"
+    assert assets.resolve_model(pair) == pair
     assert assets.load_tokenizer("kvstrata-tiny-py").mask_token_id == tok.MASK
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Other"}))
     with pytest.raises(ValueError, match="names tokenizer"):
         assets.load_tokenizer(tmp_path)
+
+
+def test_selfgen_prompt_lengths_are_stratified():
+    from kvstrata.training.drafter import DrafterTrainConfig, selfgen_prompt_lengths
+
+    cfg = DrafterTrainConfig()                       # 8 batches of 1024 over 64 .. 3840 tokens
+    lens = selfgen_prompt_lengths(cfg)
+    assert lens == selfgen_prompt_lengths(cfg) and len(lens) == 8
+    lo, hi = cfg.selfgen_prompt_len, cfg.seq_len - cfg.selfgen_new_tokens
+    width = (hi - lo) / 8
+    assert sorted(int((n - lo) // width) for n in lens) == list(range(8))   # one per slice
+    assert lens != sorted(lens)                      # shuffled: a time cap drops random strata
+    with pytest.raises(ValueError, match="must fit in seq_len"):
+        DrafterTrainConfig(seq_len=256, selfgen_prompt_len=64, selfgen_new_tokens=256)
