@@ -26,17 +26,19 @@ link, and the receiver verifies and scatters chunk k while chunks k+1 .. k+depth
 
 Per chunk, two tensors, both posted without waiting (``isend``/``irecv``):
 
-- *heads*: uint8 ``[pages, head_bytes]``, one row per page: u32 length + the record's head
-  (prefix + header: identity, codec, payload sizes and CRCs). ``head_bytes`` is fixed by the
-  groups and the page size (:func:`head_bytes`), so the receiver posts its receive ahead of the
-  data. A row 0 of length ``0xFFFFFFFF`` carries an error message instead (the sender could not
-  encode a page): the sender then sends every remaining chunk flagged so, and the receiver drains
-  them; both sides stay in step and raise :class:`PeerError`.
+- *heads*: uint8 ``[1 + pages, head_bytes]``: a control row (u32 status, u64 bytes of the
+  chunk's data, an error message), then one row per page: u32 length + the record's head (prefix
+  + header: identity, codec, payload sizes and CRCs). ``head_bytes`` is fixed by the groups and
+  the page size (:func:`head_bytes`), so the receiver posts its receive ahead of the data. A
+  status ``0xFFFFFFFF`` says the sender could not encode a page: it then sends every remaining
+  chunk flagged so, and the receiver drains them; both sides stay in step and raise
+  :class:`PeerError`. A damaged head fails its page's check, never the framing.
 - *data*, when every group's host format is its record codec (raw links, or device codecs only):
   the chunk's slot rows ``[pages, slot_bytes]``, sent from and received into the slots themselves
   (record = head + payloads at the slot's group offsets). The receiver posts the heads and data of
   ``depth`` chunks ahead. When a group is encoded on the CPU for the link (``lossless``), data is
-  the chunk's payloads back to back, sized by the heads: the receiver posts it once the heads came.
+  the chunk's payloads back to back, sized by the control row: the receiver posts it once the
+  heads came.
 
 Where the bytes live. On the CPU (Gloo) the Mover gathers pages straight into the link's slots and
 decodes straight from them: one copy per side, no staging. With CUDA pools over NCCL (a CUDA
@@ -73,6 +75,7 @@ from .transfer import Mover
 #: or 12 in every side-by-side run (docs/benchmarks.md, "Pipelined handoff"); on GPUs unmeasured.
 LINK_CHUNK_BYTES = 21 << 20
 _LEN = struct.Struct("<I")
+_CONTROL = struct.Struct("<IQ")     # status, data bytes
 _ERROR = 0xFFFFFFFF
 
 
@@ -242,17 +245,21 @@ class PeerLink:
             return self.host.rows(slots[0], len(slots))
         return self._buffer(f"rows{ring}", (len(slots), self.host.slot_bytes))
 
-    def _pack_heads(self, heads: Sequence[bytes] | None, m: int, ring: int,
+    def _pack_heads(self, heads: Sequence[bytes] | None, m: int, ring: int, data_bytes: int,
                     error: str | None = None) -> torch.Tensor:
-        out = self._buffer(f"heads{ring}", (m, self.head_bytes))
+        """``[1 + m, head_bytes]``: the control row (status, the chunk's data bytes, an error
+        message) and one row per page (u32 length + its record head)."""
+        out = self._buffer(f"heads{ring}", (m + 1, self.head_bytes))
         a = out.numpy()
         a[:, :4] = 0
+        a[0, :12] = np.frombuffer(_CONTROL.pack(0 if error is None else _ERROR, data_bytes),
+                                  dtype=np.uint8)
         if error is not None:
-            msg = error.encode()[:self.head_bytes - 4]
-            a[0, :4] = np.frombuffer(_LEN.pack(_ERROR), dtype=np.uint8)
-            a[0, 4:4 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+            msg = error.encode()[:self.head_bytes - 12]
+            a[0, 12:12 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+            a[0, 12 + len(msg):] = 0
             return out
-        for j, h in enumerate(heads):
+        for j, h in enumerate(heads, start=1):
             if len(h) + 4 > self.head_bytes:       # a bug in head_bytes(), never the data
                 raise PeerError(f"a record head of {len(h)} bytes exceeds the "
                                 f"{self.head_bytes - 4} the wire reserves")
@@ -260,19 +267,20 @@ class PeerLink:
             a[j, 4:4 + len(h)] = np.frombuffer(h, dtype=np.uint8)
         return out
 
-    def _unpack_heads(self, buf: torch.Tensor) -> list[bytes] | str:
-        """The chunk's heads, or an error message (the sender's, or what is wrong with them)."""
+    def _unpack_heads(self, buf: torch.Tensor) -> tuple[list[bytes] | str, int, bool]:
+        """``(heads or what is wrong with them, the chunk's data bytes, the sender failed)``."""
         a = buf.cpu().numpy() if buf.device.type != "cpu" else buf.numpy()
+        status, nbytes = _CONTROL.unpack_from(a[0, :12].tobytes())
+        if status == _ERROR:
+            return a[0, 12:].tobytes().rstrip(b"\0").decode(errors="replace"), 0, True
         out = []
-        for j in range(a.shape[0]):
+        for j in range(1, a.shape[0]):
             n = _LEN.unpack_from(a[j, :4].tobytes())[0]
-            if n == _ERROR:
-                return a[j, 4:].tobytes().rstrip(b"\0").decode(errors="replace")
             if n > self.head_bytes - 4:
                 return (f"the peer sent a {n}-byte record head; at most {self.head_bytes - 4} "
-                        f"fit (does it use another chunk_pages or page size?)")
+                        f"fit (does it use another chunk_pages or page size?)"), nbytes, False
             out.append(a[j, 4:4 + n].tobytes())
-        return out
+        return out, nbytes, False
 
     # -- sending -----------------------------------------------------------------------------------
     def send(self, channel, pages: Sequence[PageInfo]) -> int:
@@ -305,7 +313,8 @@ class PeerLink:
                                          self.view.device) if dev else self._rows(slots, ring))
                 works, keep = [], []
                 inflight.append((works, keep, slots))
-                hb = self._pack_heads(heads, m, ring, None if err is None else
+                hb = self._pack_heads(heads, m, ring, 0 if data is None else data.numel(),
+                                      None if err is None else
                                       f"the peer could not send its pages: {err}")
                 for t in (hb, data):
                     if t is not None:
@@ -407,7 +416,7 @@ class PeerLink:
             slots = [] if dev else self.host.take_slots(m)[0]
             if not dev:
                 self.mover.fence_host_writes()      # no H2D copy still reads these slots
-            hb = self._buffer(f"heads{ring}", (m, self.head_bytes))
+            hb = self._buffer(f"heads{ring}", (m + 1, self.head_bytes))
             works = [_post_recv(channel, hb)]
             data = None
             if ahead:
@@ -426,7 +435,7 @@ class PeerLink:
                 try:
                     t0 = time.perf_counter()
                     works[0].wait()
-                    heads = self._unpack_heads(hb)
+                    heads, nbytes, refused = self._unpack_heads(hb)
                     if not ahead:
                         self.timings["wait_recv_s"] += time.perf_counter() - t0
                     if ahead:
@@ -435,8 +444,11 @@ class PeerLink:
                         if not dev and data.data_ptr() != self.host.rows(slots[0]).data_ptr():
                             for j, s in enumerate(slots):
                                 self.host.rows(s).copy_(data[j:j + 1])
-                    elif not isinstance(heads, str):
-                        data = self._recv_payloads(channel, heads, c % self.depth)
+                    elif not refused:       # sized by the control row: damaged heads or not
+                        data = self._buffer(f"recv{c % self.depth}", (nbytes,))
+                        t0 = time.perf_counter()
+                        _post_recv(channel, data).wait()
+                        self.timings["wait_recv_s"] += time.perf_counter() - t0
                     if data is not None:
                         got += data.numel()
                     if isinstance(heads, str):
@@ -461,17 +473,6 @@ class PeerLink:
         if failed is not None:
             raise failed
         return got
-
-    def _recv_payloads(self, channel, heads: list[bytes], ring: int) -> torch.Tensor:
-        try:
-            n = sum(sum(payload_sizes(h)) for h in heads)
-        except CorruptPageError as e:
-            raise PeerError(f"a received record head is damaged: {e}") from e
-        blob = self._buffer(f"recv{ring}", (n,))
-        t0 = time.perf_counter()
-        _post_recv(channel, blob).wait()
-        self.timings["wait_recv_s"] += time.perf_counter() - t0
-        return blob
 
     def _store(self, chunk, ids, first: int, heads: list[bytes], data: torch.Tensor,
                slots: list[int], dev: bool) -> PeerError | None:
@@ -500,6 +501,9 @@ class PeerLink:
                     for n in sizes:
                         parts.append(mv[at:at + n])
                         at += n
+                if mv is not None and at > len(mv):
+                    raise CorruptPageError(f"the heads describe more than the {len(mv)} "
+                                           f"payload bytes of the chunk")
                 rec = verify_record(parts, self.ns_digest, info, self.specs, self.codecs,
                                     self.view.page_size)
                 entries.append(self.host.fill(slots[j], info, self.ns_digest, rec))

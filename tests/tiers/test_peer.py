@@ -232,3 +232,26 @@ def test_the_device_buffer_path_moves_pages_bit_exactly(chunk, depth):
     bad = infos[:3] + [infos[4], infos[3]] + infos[5:]
     got, err, _ = _move(src, dst, infos, ids, False, chunk, depth, device_link=True, sent=bad)
     assert isinstance(got, PeerError) and "received page 3" in str(got), got
+
+
+@pytest.mark.parametrize("encode", [False, True])
+def test_a_damaged_head_fails_its_page_not_the_framing(encode):
+    """A byte of a page's record head flips (chunk 1's heads tensor): the receiver names that
+    page, drains the handoff by the control row's sizes, and the same link serves the next one."""
+    infos = _partial_chain(7, 2)
+    ids = list(range(7))
+    src, dst = _pools(7)
+    hb = PeerLink(PoolView.of(src), NS, encode=encode, chunk_pages=3).head_bytes
+
+    class _Head(_Flaky):
+        def isend(self, t):
+            self.n += 1
+            if self.n == 3:                              # heads of chunk 1 (pages 3, 4, 5)
+                t = t.clone()
+                t.view(-1)[2 * hb + 4 + 20] ^= 0x01     # row of page 4, inside its header
+            return self.end.isend(t)
+    got, err, link = _move(src, dst, infos, ids, encode, 3, 2, wrap=lambda a: _Head(a))
+    assert err is None and isinstance(got, PeerError) and "received page 4" in str(got), got
+    got, err, _ = _move(src, dst, infos, ids, encode, 3, 2, link=link)
+    assert err is None and isinstance(got, int)
+    assert torch.equal(dst.kv["draft"][:7].view(torch.int16), src.kv["draft"][:7].view(torch.int16))
