@@ -63,7 +63,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..codecs import CorruptPageError, get_codec
+from ..codecs import CorruptPageError, crc32, get_codec
 from ..pagepool import KVGroupSpec, Namespace, PageInfo, PoolView
 from .host import HostEntry, HostTier, host_codec, slot_layout
 from .record import build_record, check_groups, check_identity, parse_record, payload_sizes, \
@@ -75,7 +75,7 @@ from .transfer import Mover
 #: or 12 in every side-by-side run (docs/benchmarks.md, "Pipelined handoff"); on GPUs unmeasured.
 LINK_CHUNK_BYTES = 21 << 20
 _LEN = struct.Struct("<I")
-_CONTROL = struct.Struct("<IQ")     # status, data bytes
+_CONTROL = struct.Struct("<IQ")     # status, data bytes; then a CRC-32 of those 12 bytes
 _ERROR = 0xFFFFFFFF
 
 
@@ -252,12 +252,12 @@ class PeerLink:
         out = self._buffer(f"heads{ring}", (m + 1, self.head_bytes))
         a = out.numpy()
         a[:, :4] = 0
-        a[0, :12] = np.frombuffer(_CONTROL.pack(0 if error is None else _ERROR, data_bytes),
-                                  dtype=np.uint8)
+        ctl = _CONTROL.pack(0 if error is None else _ERROR, data_bytes)
+        a[0, :16] = np.frombuffer(ctl + _LEN.pack(crc32(ctl)), dtype=np.uint8)
         if error is not None:
-            msg = error.encode()[:self.head_bytes - 12]
-            a[0, 12:12 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
-            a[0, 12 + len(msg):] = 0
+            msg = error.encode()[:self.head_bytes - 16]
+            a[0, 16:16 + len(msg)] = np.frombuffer(msg, dtype=np.uint8)
+            a[0, 16 + len(msg):] = 0
             return out
         for j, h in enumerate(heads, start=1):
             if len(h) + 4 > self.head_bytes:       # a bug in head_bytes(), never the data
@@ -267,12 +267,16 @@ class PeerLink:
             a[j, 4:4 + len(h)] = np.frombuffer(h, dtype=np.uint8)
         return out
 
-    def _unpack_heads(self, buf: torch.Tensor) -> tuple[list[bytes] | str, int, bool]:
-        """``(heads or what is wrong with them, the chunk's data bytes, the sender failed)``."""
+    def _unpack_heads(self, buf: torch.Tensor) -> tuple[list[bytes] | str, int | None, bool]:
+        """``(heads or what is wrong with them, the chunk's data bytes or None if the control
+        row is damaged, the sender failed)``."""
         a = buf.cpu().numpy() if buf.device.type != "cpu" else buf.numpy()
-        status, nbytes = _CONTROL.unpack_from(a[0, :12].tobytes())
+        ctl = a[0, :12].tobytes()
+        if crc32(ctl) != _LEN.unpack_from(a[0, 12:16].tobytes())[0]:
+            return "a chunk's control row is damaged (CRC check failed)", None, False
+        status, nbytes = _CONTROL.unpack(ctl)
         if status == _ERROR:
-            return a[0, 12:].tobytes().rstrip(b"\0").decode(errors="replace"), 0, True
+            return a[0, 16:].tobytes().rstrip(b"\0").decode(errors="replace"), 0, True
         out = []
         for j in range(1, a.shape[0]):
             n = _LEN.unpack_from(a[j, :4].tobytes())[0]
@@ -441,9 +445,15 @@ class PeerLink:
                     if ahead:
                         works[1].wait()
                         self.timings["wait_recv_s"] += time.perf_counter() - t0
+                        if nbytes is not None and not refused and nbytes != data.numel():
+                            heads = (f"the peer sent {nbytes} bytes for a chunk of "
+                                     f"{data.numel()}")
                         if not dev and data.data_ptr() != self.host.rows(slots[0]).data_ptr():
                             for j, s in enumerate(slots):
                                 self.host.rows(s).copy_(data[j:j + 1])
+                    elif nbytes is None:
+                        raise PeerError(f"{heads}; the rest of the handoff cannot be framed: "
+                                        "the link is out of step (reconnect)")
                     elif not refused:       # sized by the control row: damaged heads or not
                         data = self._buffer(f"recv{c % self.depth}", (nbytes,))
                         t0 = time.perf_counter()
@@ -452,7 +462,8 @@ class PeerLink:
                     if data is not None:
                         got += data.numel()
                     if isinstance(heads, str):
-                        failed = failed or PeerError(heads)
+                        failed = failed or PeerError(f"received chunk {c} is damaged or "
+                                                     f"refused: {heads}")
                     if failed is None:
                         failed = self._store(pages[k:k + m], page_ids[k:k + m], k, heads, data,
                                              slots, dev)

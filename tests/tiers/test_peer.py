@@ -255,3 +255,24 @@ def test_a_damaged_head_fails_its_page_not_the_framing(encode):
     got, err, _ = _move(src, dst, infos, ids, encode, 3, 2, link=link)
     assert err is None and isinstance(got, int)
     assert torch.equal(dst.kv["draft"][:7].view(torch.int16), src.kv["draft"][:7].view(torch.int16))
+
+
+@pytest.mark.parametrize("encode", [False, True])
+def test_a_damaged_control_row_is_caught(encode):
+    """Chunk 1's control row (status, data bytes) flips a bit: caught by its CRC. Raw chunks
+    have known sizes, so the handoff is drained (in step); encoded ones cannot be framed any
+    more, and the receiver says the link is out of step."""
+    infos = _infos(7)
+    src, dst = _pools(7)
+
+    class _Ctl(_Flaky):
+        def isend(self, t):
+            self.n += 1
+            if self.n == 3:
+                t = t.clone()
+                t.view(-1)[5] ^= 0x01
+            return self.end.isend(t)
+    got, err, link = _move(src, dst, infos, list(range(7)), encode, 3, 2, wrap=lambda a: _Ctl(a))
+    assert isinstance(got, PeerError) and "control row is damaged" in str(got), got
+    assert ("out of step" in str(got)) == encode
+    assert len(link.host._free) == link.host.num_slots
