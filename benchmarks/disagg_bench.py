@@ -59,9 +59,20 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def _link_configs(a, n_pages):
+    """``(name, chunk_pages, depth)`` of the handoffs timed side by side."""
+    cfgs = [("pipelined", a.chunk_pages, a.depth),
+            ("serialized (1 chunk, depth 1)", n_pages, 1)]
+    for spec in a.sweep or ():
+        c, d = (int(x) for x in spec.split("x"))
+        cfgs.append((f"chunks of {c} pages, depth {d}", c, d))
+    return cfgs
+
+
 def _transfer(rank, dev, a, ch):
-    from kvstrata.pagepool import KVCacheManager, Namespace, PagePool
+    from kvstrata.pagepool import KVCacheManager, Namespace, PagePool, PoolView
     from kvstrata.runtime.disagg import recv_sequence, send_sequence
+    from kvstrata.tiers.peer import PeerLink
     P = 16
     n_pages = -(-a.tokens // P)
     pool = PagePool(_groups(), 2 * n_pages + 2, P, dev)
@@ -71,25 +82,34 @@ def _transfer(rank, dev, a, ch):
         t.normal_(generator=g)
     tokens = [i % 251 for i in range(a.tokens)]
     nbytes = n_pages * pool.bytes_per_page
-    times, link, d2d = [], [], []
-    for rep in range(a.reps + 1):            # rep 0 warms up (NCCL connect, allocator)
-        sid = f"r{rep}"
-        dist.barrier()
-        if rank == 0:
-            mgr.admit(sid, tokens, cache_salt=sid)
-            mgr.reserve(sid, len(tokens))
-            mgr.commit(sid, tokens)
-            send_sequence(ch, mgr, sid)
-        else:
-            t0 = time.perf_counter()
-            recv_sequence(ch, mgr, seq_id=sid)
-            _sync(dev)     # the copy into pool pages may still run on the GPU
-            if rep:
-                times.append(time.perf_counter() - t0)
-        mgr.free(sid)
-    # Link ceiling: one tensor of the same bytes.
+    cfgs = _link_configs(a, n_pages)
+    links = [{False: PeerLink(PoolView.of(pool), mgr.namespace, chunk_pages=c, depth=d)}
+             for _, c, d in cfgs]
+    times: list[list[float]] = [[] for _ in cfgs]
+    link, d2d = [], []
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    # Side by side: every rep times each handoff variant and the link, so load on the shared
+    # machine hits them alike. Rep 0 warms up (NCCL connect, allocator, page faults).
     for rep in range(a.reps + 1):
+        # each rep in another order: no variant always runs first (right after the link's send)
+        for j in range(len(links)):
+            i = (j + rep) % len(links)
+            lk = links[i]
+            sid = f"r{rep}-{i}"
+            dist.barrier()
+            if rank == 0:
+                mgr.admit(sid, tokens, cache_salt=sid)
+                mgr.reserve(sid, len(tokens))
+                mgr.commit(sid, tokens)
+                send_sequence(ch, mgr, sid, links=lk)
+            else:
+                t0 = time.perf_counter()
+                recv_sequence(ch, mgr, seq_id=sid, links=lk)
+                _sync(dev)     # the copy into pool pages may still run on the GPU
+                if rep:
+                    times[i].append(time.perf_counter() - t0)
+            mgr.free(sid)
+        # Link ceiling: one tensor of the same bytes.
         dist.barrier()
         _sync(dev)
         t0 = time.perf_counter()
@@ -113,12 +133,21 @@ def _transfer(rank, dev, a, ch):
                 d2d.append(time.perf_counter() - t0)
         del dst
     dist.barrier()
-    del pool, mgr, buf
+    chunk = links[0][False].chunk
+    # where the pipelined handoff's time goes on this side (per handoff, warm-up included)
+    spent = {k: v / (a.reps + 1) for k, v in links[0][False].timings.items() if v}
+    del pool, mgr, buf, links
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     med = (lambda xs: statistics.median(xs) if xs else None)
-    return {"bytes": nbytes, "pages": n_pages, "handoff_s": med(times), "link_s": med(link),
-            "d2d_s": med(d2d)}
+    return {"bytes": nbytes, "pages": n_pages, "link_s": med(link), "d2d_s": med(d2d),
+            "spent": spent,
+            "handoffs": [(name.replace("pipelined", f"pipelined (chunks of {chunk} pages, "
+                                                    f"depth {d})"), med(ts))
+                         for (name, _, d), ts in zip(cfgs, times)],
+            # per-rep ratio handoff / link of the first variant: the noise on a shared machine
+            "ratio_range": (min(l / t for l, t in zip(link, times[0])) if link else None,
+                            max(l / t for l, t in zip(link, times[0])) if link else None)}
 
 
 def _al(outs):
@@ -202,8 +231,8 @@ def _report(a, r0, r1) -> str:
                   f"{b / 2**20:.0f} MiB raw; median of {a.reps}.", "",
                   "| path | ms | GB/s | % of link | % of GPU0->GPU1 copy |",
                   "|---|---|---|---|---|"]
-        rows = [("handoff (send_sequence -> recv_sequence)", t1["handoff_s"]),
-                ("link: one dist.send of the same bytes", t1["link_s"]),
+        rows = [(f"handoff, {name}", secs) for name, secs in t1["handoffs"]]
+        rows += [("link: one dist.send of the same bytes", t1["link_s"]),
                 ("GPU0 -> GPU1 copy_ (device-to-device)", t0["d2d_s"])]
         for name, s in rows:
             if s is None:
@@ -212,6 +241,13 @@ def _report(a, r0, r1) -> str:
             pd = 100 * t0["d2d_s"] / s if t0.get("d2d_s") else float("nan")
             lines.append(f"| {name} | {1e3 * s:.2f} | {gb(s):.1f} | {pl:.0f}% | "
                          + (f"{pd:.0f}% |" if t0.get("d2d_s") else "n/a |"))
+        spent = ", ".join(f"{k[:-2]} {1e3 * v:.1f}" for k, v in
+                          {**t0["spent"], **t1["spent"]}.items())
+        lines.append(f"\nPipelined handoff, ms per handoff (sender: gather, wait_send; "
+                     f"receiver: wait_recv, verify, scatter): {spent}")
+        lo, hi = t1["ratio_range"]
+        if lo is not None:
+            lines.append(f"\nPipelined handoff / link, per rep: {100 * lo:.0f}% .. {100 * hi:.0f}%")
         lines.append("")
     if "al" in r1:
         lines += [f"AL, trained pair {PAIR}, {a.prompts} held-out prompts x {a.prompt_len} "
@@ -240,6 +276,11 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--chunk-pages", type=int, default=None,
+                    help="pages per chunk of the pipelined handoff (default: PeerLink's)")
+    ap.add_argument("--depth", type=int, default=3, help="chunks in flight (pipelined)")
+    ap.add_argument("--sweep", nargs="*", metavar="CHUNKxDEPTH",
+                    help="more handoff variants timed side by side, e.g. 4x2 16x3")
     ap.add_argument("--skip-transfer", action="store_true")
     ap.add_argument("--skip-al", action="store_true")
     a = ap.parse_args()

@@ -277,6 +277,23 @@ class Mover:
                 sizes[j].append(enc.nbytes)
         return bad
 
+    def gather_rows(self, rows: torch.Tensor, ids: torch.Tensor
+                    ) -> tuple[list[list[EncodedPage]], list[list[int]], torch.Tensor | None]:
+        """Every group of pages ``ids`` straight into ``rows`` (``[len(ids), slot_bytes]``
+        uint8 laid out like a host slot: host slots on the CPU, a device buffer for a device
+        link), on the current stream, without staging. Returns ``(headers, sizes, refused)``
+        per page, as :meth:`down` builds its entries (``refused``: see :meth:`down`)."""
+        n = ids.numel()
+        headers: list[list[EncodedPage]] = [[] for _ in range(n)]
+        sizes: list[list[int]] = [[] for _ in range(n)]
+        return headers, sizes, self._gather(rows, ids, headers, sizes)
+
+    def scatter_rows(self, rows: torch.Tensor, entries: Sequence[HostEntry], ids: torch.Tensor,
+                     page_ids: Sequence[int]) -> None:
+        """Decode ``rows`` (laid out like host slots, described by ``entries``' headers and
+        sizes) into pool pages ``ids``, on the current stream, without staging."""
+        self._decode(rows, entries, ids, page_ids)
+
     def _rows_to_slots(self, stage: torch.Tensor, slots: Sequence[int]) -> None:
         for row, slot, k in _runs(slots):
             src = stage if row == 0 and k == stage.shape[0] else stage[row:row + k]

@@ -56,6 +56,29 @@ def _page_bytes(mgr, sid, n_tokens):
     return out
 
 
+def _links(mgr):
+    """Both workers' raw links in chunks of 2 pages, 2 in flight (6 pages = 3 chunks)."""
+    from kvstrata.pagepool import PoolView
+    from kvstrata.tiers.peer import PeerLink
+    return {False: PeerLink(PoolView.of(mgr.pool), mgr.namespace, chunk_pages=2, depth=2)}
+
+
+class _DyingChannel:
+    """A channel whose process dies at its ``after + 1``-th tensor sent without waiting."""
+
+    def __init__(self, ch, after):
+        self.ch, self.left = ch, after
+
+    def isend(self, t):
+        if not self.left:
+            os._exit(9)
+        self.left -= 1
+        return self.ch.isend(t)
+
+    def __getattr__(self, name):
+        return getattr(self.ch, name)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,8 +88,10 @@ def _free_port():
 def _run(rank, port, scenario, q):
     import torch.distributed as dist
 
+    from kvstrata.pagepool import page_hashes
     from kvstrata.runtime.disagg import (NamespaceMismatchError, PageChannel, TransferError,
                                          handshake, recv_sequence, send_sequence)
+    from kvstrata.runtime.disagg.transport import peer_link
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=2)
@@ -80,13 +105,18 @@ def _run(rank, port, scenario, q):
                 return
             _fill(mgr, "r", TOKENS, seed=7)
             sent = _page_bytes(mgr, "r", len(TOKENS))
+            if scenario == "cut":          # die after chunk 0 and chunk 1's heads are out
+                ch = _DyingChannel(ch, after=3)
+                send_sequence(ch, mgr, "r", links=_links(mgr))
             if scenario == "kill":
-                ch.send_obj({"seq_id": "r", "token_ids": TOKENS, "cache_salt": None,
+                ch.send_obj({"seq_id": "r", "chunk_pages": peer_link(mgr, False).chunk,
+                             "token_ids": TOKENS, "cache_salt": None,
                              "num_pages": 6, "hashes": mgr.seqs["r"].hashes, "extra": {}})
                 ch.recv_obj()
                 ch.send_obj({"checksums": {}})
                 os._exit(9)    # die in the middle of the payload
-            stats = send_sequence(ch, mgr, "r", extra={"first_token": 42})
+            stats = send_sequence(ch, mgr, "r", extra={"first_token": 42},
+                                  links=_links(mgr) if scenario == "chunked" else None)
             q.put(("ctx", sent, stats.pages_sent, stats.pages_skipped))
         else:  # generation worker
             pool, mgr = _make()
@@ -100,11 +130,14 @@ def _run(rank, port, scenario, q):
                 q.put(("gen-refused", str(e)))
                 return
             try:
-                seq, extra, stats = recv_sequence(ch, mgr)
+                seq, extra, stats = recv_sequence(ch, mgr, links=_links(mgr) if scenario in
+                                                  ("cut", "chunked") else None)
             except TransferError as e:
                 pool.check_invariants()
+                hashes = page_hashes(mgr.namespace, TOKENS)
                 q.put(("gen-failed", str(e), pool.num_free + pool.num_cached == free_before,
-                       pool.num_in_use, len(mgr.seqs)))
+                       pool.num_in_use, len(mgr.seqs),
+                       sum(pool.lookup(h) is not None for h in hashes)))
                 return
             pool.check_invariants()
             got = _page_bytes(mgr, seq.seq_id, len(TOKENS))
@@ -113,7 +146,7 @@ def _run(rank, port, scenario, q):
     except Exception:  # noqa: BLE001
         q.put(("error", rank, traceback.format_exc()))
     finally:
-        if scenario != "kill" or rank == 1:
+        if scenario not in ("kill", "cut") or rank == 1:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
@@ -128,7 +161,7 @@ def _scenario(name):
     for p in procs:
         p.start()
     results = {}
-    for _ in range(2 if name != "kill" else 1):
+    for _ in range(2 if name not in ("kill", "cut") else 1):
         item = q.get(timeout=120)
         if item[0] == "error":
             for p in procs:
@@ -142,8 +175,10 @@ def _scenario(name):
     return results
 
 
-def test_handoff_is_bit_exact_for_both_groups():
-    r = _scenario("plain")
+@pytest.mark.parametrize("scenario", ["plain", "chunked"])
+def test_handoff_is_bit_exact_for_both_groups(scenario):
+    """One chunk, or 3 chunks of 2 pages with 2 in flight (receives posted ahead over Gloo)."""
+    r = _scenario(scenario)
     _, sent, n_sent, n_skipped = r["ctx"]
     _, got, extra, tokens_ok, findable, _ = r["gen"]
     assert (n_sent, n_skipped) == (6, 0) and tokens_ok and findable
@@ -170,5 +205,13 @@ def test_namespace_mismatch_is_refused_naming_the_drafter():
 
 def test_killed_sender_leaves_receiver_consistent():
     r = _scenario("kill")
-    _, msg, restored, in_use, n_seqs = r["gen-failed"]
-    assert restored and in_use == 0 and n_seqs == 0, msg
+    _, msg, restored, in_use, n_seqs, findable = r["gen-failed"]
+    assert restored and in_use == 0 and n_seqs == 0 and findable == 0, msg
+
+
+def test_sender_killed_mid_payload_leaves_nothing_visible():
+    """The sender dies after chunk 0 (2 of 6 pages) reached the receiver's pool pages: the
+    receiver fails, frees the sequence, and none of its pages is findable."""
+    r = _scenario("cut")
+    _, msg, restored, in_use, n_seqs, findable = r["gen-failed"]
+    assert restored and in_use == 0 and n_seqs == 0 and findable == 0, msg

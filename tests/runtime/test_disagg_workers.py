@@ -155,8 +155,10 @@ def test_draft_kv_received_equals_sent_bit_for_bit(encode):
                                    ctx_llm.pool.kv["target"][src].view(torch.int16))
         assert len(seq.hashes) == len(r.prompt) // P
     if encode == "never":   # the raw records on the link carry the receiver's pages, byte for byte
-        for r, sent in zip(reqs, rec[0].sent):
-            blob, at = sent.numpy().tobytes(), 0
+        # (per chunk of pages, a tensor of record heads then the slot rows: in order, on one
+        # link, so the requests' pages appear one after another)
+        blob, at = b"".join(t.numpy().tobytes() for t in rec[0].sent), 0
+        for r in reqs:
             for pid in gen_llm.mgr.seqs[r.rid_key].page_ids:
                 for name in ("target", "draft"):
                     at = blob.find(gen_llm.pool.kv[name][pid].view(torch.uint8).numpy().tobytes(),
@@ -203,7 +205,8 @@ def test_prefix_pages_the_generation_worker_holds_are_not_sent():
 
 
 class _Flaky(LoopbackChannel):
-    """Flips a byte of the first ``damage`` page batches, or cuts the link at tensor ``cut``."""
+    """Flips a byte of the first ``damage`` tensors (a chunk's record heads first), or cuts the
+    link at tensor ``cut``."""
 
     def __init__(self, inner, damage=0, cut=None):
         super().__init__(inner._in, inner._out, inner.timeout_s)
@@ -239,9 +242,10 @@ def test_damaged_handoff_is_retried_or_failed_cleanly(retries):
 
 def test_killed_context_worker_leaves_generation_worker_consistent():
     gen_llm = _llm()
-    # Tensors: 1 per handoff (its pages' records); the 2nd is request 1's.
+    # Tensors: 2 per handoff (one chunk of pages: its record heads, its slot rows); the 4th is
+    # request 1's pages.
     with pytest.raises(ConnectionError):
-        _pair(_llm(), gen_llm, ctx_channel=lambda ch: _Flaky(ch, cut=2))
+        _pair(_llm(), gen_llm, ctx_channel=lambda ch: _Flaky(ch, cut=4))
     # _pair raised after the generation worker finished: check what it left.
     gen_llm.pool.check_invariants()
     assert gen_llm.pool.num_in_use == 0 and not gen_llm.mgr.seqs
@@ -252,7 +256,7 @@ def test_killed_context_worker_leaves_generation_worker_consistent():
 
 def test_killed_context_worker_outputs_what_was_received():
     a, b = loopback_pair(timeout_s=30)
-    ctx, gen = ContextWorker(_llm(), _Flaky(a, cut=2)), GenerationWorker(_llm(), b)
+    ctx, gen = ContextWorker(_llm(), _Flaky(a, cut=4)), GenerationWorker(_llm(), b)
     t = threading.Thread(target=lambda: (ctx.connect(), pytest.raises(ConnectionError, ctx.serve,
                                                                       PROMPTS, GREEDY)))
     t.start()

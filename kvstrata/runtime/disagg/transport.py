@@ -10,8 +10,10 @@ The context worker (sender) and the generation worker (receiver) each own a page
 3. pages (sender -> receiver): the missing pages move through the tiers' peer path
    (:class:`~kvstrata.tiers.peer.PeerLink`): the same Mover and records (header, payloads, CRCs)
    as every tier, raw or, with ``encode=True`` (a slow link), in each group's codec (``nvfp4``
-   target pages are lossy, ``lossless`` draft pages bit-exact); the receiver verifies every
-   record before it decodes it into pages it reserved for the sequence;
+   target pages are lossy, ``lossless`` draft pages bit-exact), pipelined by chunk (gather,
+   send and decode overlap; both links' ``chunk_pages`` travel in the header and must agree);
+   the receiver verifies every record of a chunk before it decodes it into pages it reserved
+   for the sequence;
 4. the receiver only then commits the tokens (which hashes the full pages and makes them
    findable).
 
@@ -132,8 +134,10 @@ def send_sequence(channel, mgr: KVCacheManager, seq_id: object,
     seq = mgr.seqs[seq_id]
     P = mgr.page_size
     n_pages = -(-seq.num_tokens // P)
-    channel.send_obj({"seq_id": str(seq_id), "token_ids": seq.token_ids,
-                      "cache_salt": seq.namespace.cache_salt, "num_pages": n_pages,
+    link = peer_link(mgr, encode, links)
+    channel.send_obj({"seq_id": str(seq_id), "chunk_pages": link.chunk,
+                      "token_ids": seq.token_ids, "cache_salt": seq.namespace.cache_salt,
+                      "num_pages": n_pages,
                       "hashes": [h for h in seq.hashes], "encoded": bool(encode),
                       "extra": extra or {}})
     reply = channel.recv_obj()
@@ -142,7 +146,6 @@ def send_sequence(channel, mgr: KVCacheManager, seq_id: object,
     have = int(reply["have_pages"])
     stats = TransferStats(pages_total=n_pages, pages_sent=n_pages - have, pages_skipped=have)
     if have < n_pages:
-        link = peer_link(mgr, encode, links)
         infos = _page_infos(seq.page_ids, seq.token_ids, seq.hashes, seq.namespace.digest, have,
                             n_pages, P)
         tail = seq.num_tokens - (n_pages - 1) * P
@@ -190,6 +193,12 @@ def recv_sequence(channel, mgr: KVCacheManager, seq_id: object | None = None,
     n_pages = int(header["num_pages"])
     admitted = False
     try:
+        link = peer_link(mgr, bool(header.get("encoded", False)), links)
+        if header.get("chunk_pages") != link.chunk:
+            # The receiver posts each chunk's receive before it arrives: sizes must agree.
+            raise ValueError(f"the sender moves pages in chunks of {header.get('chunk_pages')}"
+                             f", this worker in chunks of {link.chunk}; give both PeerLinks "
+                             f"the same chunk_pages")
         if len(tokens) > mgr.max_tokens:
             raise ValueError(f"{len(tokens)} tokens do not fit this worker's pool "
                              f"({mgr.max_tokens} tokens at most)")
@@ -214,7 +223,6 @@ def recv_sequence(channel, mgr: KVCacheManager, seq_id: object | None = None,
     try:
         channel.send_obj({"ok": True, "have_pages": have})
         if have < n_pages:
-            link = peer_link(mgr, bool(header.get("encoded", False)), links)
             infos = _page_infos(seq.page_ids, tokens, hashes, ns.digest, have, n_pages, P)
             stats.bytes = link.recv(channel, infos, seq.page_ids[have:n_pages])
         # Only now, with every byte in place, do the pages get hashed and become findable.

@@ -39,7 +39,7 @@ ENCODE_MODES = ("never", "always", "auto")
 
 
 class LoopbackChannel:
-    """In-process stand-in for :class:`PageChannel` (same four methods); one end of a pair.
+    """In-process stand-in for :class:`PageChannel` (same methods); one end of a pair.
 
     Tensors are cloned on send, as a real link copies them. ``close()`` cuts the link: the peer's
     next receive raises :class:`ConnectionError`, as Gloo does when the peer process dies.
@@ -81,8 +81,28 @@ class LoopbackChannel:
                                 f"{getattr(t, 'shape', None)}")
         return t
 
+    def isend(self, t: torch.Tensor) -> "_Posted":
+        self.send_tensor(t)                 # queued (a copy): complete at once
+        return _Posted(None)
+
+    def irecv(self, t: torch.Tensor) -> "_Posted":
+        """Receive into ``t`` at ``wait()``; wait in posting order, as receives match sends."""
+        return _Posted(lambda: t.copy_(self.recv_tensor(tuple(t.shape), t.dtype)))
+
     def close(self) -> None:
         self._out.put(self._CLOSED)
+
+
+class _Posted:
+    """A loopback ``isend``/``irecv``: ``wait()`` completes it."""
+
+    def __init__(self, finish):
+        self._finish = finish
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
 
 
 def loopback_pair(timeout_s: float = 60.0) -> tuple[LoopbackChannel, LoopbackChannel]:
