@@ -282,7 +282,7 @@ class Mover:
         """Every group of pages ``ids`` straight into ``rows`` (``[len(ids), slot_bytes]``
         uint8 laid out like a host slot: host slots on the CPU, a device buffer for a device
         link), on the current stream, without staging. Returns ``(headers, sizes, refused)``
-        per page, as :meth:`down` builds its entries (``refused``: see :meth:`down`)."""
+        per page, as :meth:`demote` builds its entries (``refused``: see :meth:`demote`)."""
         n = ids.numel()
         headers: list[list[EncodedPage]] = [[] for _ in range(n)]
         sizes: list[list[int]] = [[] for _ in range(n)]
