@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from ..codecs import CorruptPageError, UnencodablePageError, get_codec
-from ..pagepool import Namespace, PageInfo, PoolView
+from ..pagepool import Namespace, PageKey, PoolView
 from ..tiers import HostTier
 from ..tiers.protocol import Tier, leading
 from ..tiers.record import build_record, verify_record
@@ -99,7 +99,7 @@ class PageStore:
 
     # -- save -----------------------------------------------------------------------------------
     @_locked
-    def save(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageInfo]
+    def save(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageKey]
              ) -> list[bool]:
         """Encode pages ``page_ids`` of ``view`` (holding the pages ``infos``) and put them into
         every tier. Per page: whether some tier stored it."""
@@ -118,7 +118,7 @@ class PageStore:
         ok = dict(zip((h for h, _ in items), stored))
         return [ok.get(info.hash, False) for info in infos]
 
-    def _records(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageInfo]
+    def _records(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageKey]
                  ) -> list[tuple[bytes, list]]:
         ids = torch.as_tensor(list(page_ids), dtype=torch.int64, device=view.device)
         # [n, L, 2, H, P, D] per group, on the host (codecs' CPU paths and the CRCs need it there)
@@ -148,7 +148,7 @@ class PageStore:
 
     # -- load -----------------------------------------------------------------------------------
     @_locked
-    def load(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageInfo]) -> int:
+    def load(self, view: PoolView, page_ids: Sequence[int], infos: Sequence[PageKey]) -> int:
         """Write the longest verified prefix of the pages ``infos`` into ``page_ids`` of ``view``.
 
         Returns how many leading pages were written; pages from there on were not touched and

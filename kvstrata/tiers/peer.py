@@ -66,8 +66,8 @@ import torch.distributed as dist
 from ..codecs import CorruptPageError, crc32, get_codec
 from ..pagepool import KVGroupSpec, Namespace, PageInfo, PoolView
 from .host import HostEntry, HostTier, host_codec, slot_layout
-from .record import build_record, check_groups, check_identity, parse_record, payload_sizes, \
-    verify_record
+from .record import (build_record, check_identity, check_record_groups, parse_record,
+                     payload_sizes, verify_record)
 from .transfer import Mover
 
 #: Bytes per pipelined chunk by default (rounded down to whole pages, at least one): 8 pages of
@@ -348,7 +348,7 @@ class PeerLink:
         rows = self._rows(slots, ring)
         apart = rows.data_ptr() != self.host.rows(slots[0]).data_ptr()    # not consecutive
         if self.cuda:       # async DMAs through the Mover's staging buffers
-            entries, ev, refused = self.mover.down(self.ns_digest, chunk, slots)
+            entries, ev, refused = self.mover.demote(self.ns_digest, chunk, slots)
             if ev is not None:
                 ev.synchronize()
             if apart:
@@ -527,7 +527,7 @@ class PeerLink:
         if dev:
             self.mover.scatter_rows(data, entries, idt, ids)
         elif self.cuda:
-            self.mover.up(entries, ids)      # async; the next post() fences the slots
+            self.mover.promote(entries, ids)      # async; the next post() fences the slots
         else:
             self.mover.scatter_rows(self.host.rows(slots[0], len(slots))
                                     if slots == list(range(slots[0], slots[0] + len(slots)))
@@ -546,5 +546,5 @@ class PeerLink:
                                for gi in range(len(self.specs))]
         rec = parse_record([head, *self._stand_ins])     # sizes other than the rows': an error
         check_identity(rec, self.ns_digest, info)
-        check_groups(rec, self.specs, self.codecs, self.view.page_size)
+        check_record_groups(rec, self.specs, self.codecs, self.view.page_size)
         return HostEntry(info, self.ns_digest, -1, self._row_headers, self.host.max_sizes)

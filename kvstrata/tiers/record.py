@@ -200,10 +200,6 @@ def check_record_groups(rec: Record, specs: Sequence[KVGroupSpec],
                                  f"{list(spec.page_shape(page_size))}")
 
 
-#: The old name, kept only for tiers/peer.py (owned by the disaggregation work): remove it once
-#: peer.py imports check_record_groups (``pagepool.spec.check_groups`` is another function).
-check_groups = check_record_groups
-
 
 def check_stored(rec: Record, key: bytes, ns_digest: bytes | None = None) -> None:
     """What an offline check (``kvstrata inspect --verify``) can know of a stored record without

@@ -366,11 +366,6 @@ class Mover:
             if dst is not ids:
                 self.view.write(gi, ids, kv)
 
-    # The glossary's names are demote/promote; these two old ones are kept only for
-    # tiers/peer.py, which another branch is reworking: remove them once it calls the new ones.
-    down = demote
-    up = promote
-
 
 def _same_format(h: EncodedPage, want: EncodedPage) -> bool:
     return (h.codec == want.codec and h.version == want.version and h.shape == want.shape

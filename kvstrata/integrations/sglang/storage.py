@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from ...pagepool import KVGroupSpec, PageInfo, blake2b_128, hash_page
+from ...pagepool import KVGroupSpec, PageKey, blake2b_128, hash_page
 from ...pagepool.view import PAGE_MAJOR, GroupView, PoolView
 from ..config import StoreConfig, acquire_store, release_store
 
@@ -98,11 +98,11 @@ class KVStrataHiCacheStorage(HiCacheStorage):
             release_store(store)
 
     # -- keys and pages -------------------------------------------------------------------------
-    def _info(self, key: str) -> PageInfo:
+    def _info(self, key: str) -> PageKey:
         if not isinstance(key, str) or not key:
             raise ValueError(f"kvstrata: page keys are non-empty strings, got {key!r}")
         parent = blake2b_128(self.namespace.digest + b"sglang-key\x00" + key.encode())
-        return PageInfo(-1, hash_page(parent, ()), parent, ())
+        return PageKey(hash_page(parent, ()), parent, ())
 
     def _canonical(self, flat: torch.Tensor) -> torch.Tensor:
         """SGLang flat data page -> ``[L, 2, H, P, D]``."""

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...pagepool import KVGroupSpec, PageInfo, page_hashes
+from ...pagepool import KVGroupSpec, PageKey, page_hashes
 from ...pagepool.view import LAYER_KV_FIRST, GroupView, PoolView
 from ..config import StoreConfig, acquire_store, release_store
 
@@ -68,7 +68,7 @@ class PageTransfer:
 
     req_id: str
     block_ids: list[int]
-    infos: list[PageInfo]
+    infos: list[PageKey]
 
 
 @dataclass
@@ -213,12 +213,12 @@ class KVStrataConnector(KVConnectorBase_V1):
             known.extend(page_hashes(ns, tokens, len(known), known[-1] if known else None))
         return known[:n]
 
-    def _infos(self, request: "Request", hashes: list[bytes], a: int, b: int) -> list[PageInfo]:
+    def _infos(self, request: "Request", hashes: list[bytes], a: int, b: int) -> list[PageKey]:
         P = self.page_size
         toks = request.all_token_ids
         root = self.namespace.with_salt(request.cache_salt).digest
-        return [PageInfo(-1, hashes[i], hashes[i - 1] if i else root,
-                         tuple(toks[i * P:(i + 1) * P])) for i in range(a, b)]
+        return [PageKey(hashes[i], hashes[i - 1] if i else root,
+                        tuple(toks[i * P:(i + 1) * P])) for i in range(a, b)]
 
     # ==========================================================================================
     # Worker side
