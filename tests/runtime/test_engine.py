@@ -7,15 +7,8 @@ import pytest
 import tiny_dflash as td
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 
-PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [
-    [(11 * i + 5) % 290 for i in range(n)] for n in (3, 17)]
-
-
-def _cache(**kw):
-    base = dict(page_size=4, max_seq_len=96, max_batch_size=8, target_codec="identity",
-                draft_codec="identity")
-    base.update(kw)
-    return CacheConfig(**base)
+from tiny_dflash import PROMPTS
+from tiny_dflash import cache_config as _cache
 
 
 @pytest.mark.parametrize("target", ["target", "agree"])

@@ -88,3 +88,17 @@ def plain_generate(hf, prompt, max_new):
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+#: Prompts of the engine tests (odd lengths, two token patterns).
+PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [
+    [(11 * i + 5) % 290 for i in range(n)] for n in (3, 17)]
+
+
+def cache_config(**kw):
+    """The engine tests' cache: page 4, 96 tokens, 8 seats, lossless identity codecs."""
+    from kvstrata.runtime import CacheConfig
+    base = dict(page_size=4, max_seq_len=96, max_batch_size=8, target_codec="identity",
+                draft_codec="identity")
+    base.update(kw)
+    return CacheConfig(**base)
