@@ -10,14 +10,7 @@
 # Results go to $OUT (8 files: pair.tar, train.log, new.json, old.json, sweeps.md, demo.json,
 # demo_long.json, demo.log).
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/_device_env.sh"
 export PYTHONUNBUFFERED=1 PYTHONHASHSEED=0
 PAIR=/tmp/pair
 LENS=256,1024,2048,3584

@@ -4,14 +4,7 @@
 # Installs the carried wheels (.whl: zstandard, lmdb, dflash), then runs each step, writing
 # markdown to $OUT/<step>.md and logs to $OUT/<step>.log. Missing scripts are skipped.
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source "$(dirname "$0")/_device_env.sh"
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info tests codecs attention tiers engine)
 for s in "${steps[@]}"; do
   start=$(date +%s)
