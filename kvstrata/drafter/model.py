@@ -25,8 +25,8 @@ from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
 from ..kernels.kv_write import write_kv
-from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
-from ..nn.layers import RMSNorm, SwiGLUMLP, rope_cos_sin
+from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
+from ..nn.layers import MergedLinear, RMSNorm, SwiGLUMLP, merged, rope_cos_sin
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
@@ -45,6 +45,19 @@ class _Attn(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * D, H, bias=bias)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self._qkv: MergedLinear | None = None
+
+    def merge(self) -> None:
+        """q, k, v as one matrix (views; idempotent): one product for the block's q/k/v and
+        one for the context's k/v (adjacent rows)."""
+        self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+
+    def qkv(self, x: Tensor, with_q: bool = True) -> Tensor:
+        """``cat(q_proj(x), k_proj(x), v_proj(x), -1)`` (without q unless ``with_q``)."""
+        if self._qkv is None:
+            return torch.cat(([self.q_proj(x)] if with_q else []) + [self.k_proj(x),
+                                                                     self.v_proj(x)], -1)
+        return self._qkv(x, first=0 if with_q else 1)
 
 
 class _Layer(nn.Module):
@@ -92,8 +105,17 @@ class DFlashDrafter(nn.Module):
                              f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
         model.to(device=device, dtype=dt).eval()
         model.requires_grad_(False)
+        model.merge_weights()
         model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(repr(cfg)), state)
         return model
+
+    def merge_weights(self) -> None:
+        """Per layer, q/k/v as one matrix and gate/up as one (views: one copy in memory, the
+        same names and state dict); as :meth:`kvstrata.runtime.qwen3.Qwen3Model.merge_weights`."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.self_attn.merge()
+                layer.mlp.merge()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,22 +141,29 @@ class DFlashDrafter(nn.Module):
         taps: ``[T, len(target_layer_ids) * hidden]`` (target layer outputs, concatenated in
         ``target_layer_ids`` order); positions: ``[T]`` absolute positions (int64).
         """
-        c = self.cfg
-        feat = self.hidden_norm(self.fc(taps.to(self.dtype)))
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, feat.dtype)
-        T = feat.shape[0]
+        feat, cos, sin = self._context_features(taps, positions)
         for layer in self.layers:
             a = layer.self_attn
-            k = head_norm_rope(a.k_proj(feat).view(T, c.num_key_value_heads, c.head_dim),
-                               a.k_norm.weight, a.k_norm.eps, cos, sin)
-            yield k, a.v_proj(feat).view(T, c.num_key_value_heads, c.head_dim)
+            _, k, v = qkv_norm_rope(a.qkv(feat, with_q=False), None, a.k_norm.weight,
+                                    a.k_norm.eps, cos, sin, 0, self.cfg.num_key_value_heads)
+            yield k, v
+
+    def _context_features(self, taps: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        c = self.cfg
+        feat = self.hidden_norm(self.fc(taps.to(self.dtype)))
+        return (feat, *rope_cos_sin(positions, c.head_dim, c.rope_theta, feat.dtype))
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
                       kv_cache: Tensor, impl: str = "auto") -> None:
         """Write the context K/V of committed tokens into the draft group ``kv_cache``
         (``[num_pages, num_layers, 2, Hkv, page_size, D]``) at ``slot_mapping [T] int64``."""
-        for i, (k, v) in enumerate(self.context_kv(taps, positions)):
-            write_kv(kv_cache, i, k, v, slot_mapping, impl=impl)
+        feat, cos, sin = self._context_features(taps, positions)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            # k/v in one product, k-norm + RoPE and the write in one launch.
+            qkv_norm_rope(a.qkv(feat, with_q=False), None, a.k_norm.weight, a.k_norm.eps, cos,
+                          sin, 0, self.cfg.num_key_value_heads, kv_cache=kv_cache, layer=i,
+                          slot_mapping=slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
     def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
@@ -146,20 +175,17 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         x = noise.to(self.dtype)
         T = x.shape[0]
-        eps, hq, hkv, hd = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps, hq, hkv = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         # As the target's forward: residual adds fused into the next norm (kernels.layer_ops).
         h, x = add_rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            q = head_norm_rope(a.q_proj(h).view(T, hq, hd), a.q_norm.weight, a.q_norm.eps, cos,
-                               sin)
-            k = head_norm_rope(a.k_proj(h).view(T, hkv, hd), a.k_norm.weight, a.k_norm.eps, cos,
-                               sin)
-            v = a.v_proj(h).view(T, hkv, hd)
+            q, k, v = qkv_norm_rope(a.qkv(h), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps,
+                                    cos, sin, hq, hkv)
             h, x = add_rms_norm(a.o_proj(attn(i, q, k, v).reshape(T, -1)),
                                 layer.post_attention_layernorm.weight, eps, residual=x)
-            y = mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            y = mlp.down_proj(silu_mul_merged(mlp.gate_up(h)))
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = add_rms_norm(y, nxt.weight, eps, residual=x)
         return h

@@ -19,23 +19,35 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 _IMPLS = ("auto", "triton", "torch")
 
 
-def _check(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+def check_kv_write(kv_cache: Tensor, layer: int, kv_shape: tuple[int, int, int],
+                   dtype: torch.dtype, slot_mapping: Tensor) -> None:
+    """Validate a K/V write of ``kv_shape = (num_tokens, num_kv_heads, head_dim)`` tensors of
+    ``dtype`` into ``layer`` of ``kv_cache`` at ``slot_mapping`` (raises ``ValueError``)."""
     if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
         raise ValueError("kv_cache must be [num_pages, num_layers, 2, num_kv_heads, page_size, "
                          f"head_dim], got {tuple(kv_cache.shape)}")
     _, num_layers, _, hkv, _, d = kv_cache.shape
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer={layer} is outside the group's {num_layers} layers")
-    if k.dim() != 3 or tuple(k.shape[1:]) != (hkv, d) or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [num_tokens, {hkv}, {d}], got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
-        raise ValueError(f"k/v dtype ({k.dtype}, {v.dtype}) must equal the pool's {kv_cache.dtype}")
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must be [{k.shape[0]}] (one slot per token), got "
+    if tuple(kv_shape[1:]) != (hkv, d):
+        raise ValueError(f"k and v must both be [num_tokens, {hkv}, {d}], got {tuple(kv_shape)}")
+    if dtype != kv_cache.dtype:
+        raise ValueError(f"k/v dtype {dtype} must equal the pool's {kv_cache.dtype}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != kv_shape[0]:
+        raise ValueError(f"slot_mapping must be [{kv_shape[0]}] (one slot per token), got "
                          f"{tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+
+
+def _check(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k/v dtype ({k.dtype}, {v.dtype}) must equal the pool's "
+                         f"{kv_cache.dtype}")
+    check_kv_write(kv_cache, layer, tuple(k.shape), k.dtype, slot_mapping)
 
 
 def write_kv_ref(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
@@ -107,4 +119,4 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: T
         PAGE_SIZE=kv_cache.shape[4], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d))
 
 
-__all__ = ["write_kv", "write_kv_ref"]
+__all__ = ["check_kv_write", "write_kv", "write_kv_ref"]

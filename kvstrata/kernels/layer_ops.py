@@ -8,7 +8,11 @@ float32 and rounds), so results match it up to the reduction order of the norm:
 
 - :func:`add_rms_norm`: ``h = x + residual`` (optional), ``weight * (h * rsqrt(mean(h^2)+eps))``.
 - :func:`head_norm_rope`: per-head RMSNorm then rotate-half RoPE of ``[T, heads, head_dim]``.
-- :func:`silu_mul`: ``silu(gate) * up``.
+- :func:`silu_mul`: ``silu(gate) * up``; :func:`silu_mul_merged`: the same of a merged
+  ``[T, 2 * inter]`` gate/up product (gate columns first).
+- :func:`qkv_norm_rope`: of a merged ``[T, (Hq + 2 Hkv) * D]`` q/k/v product, q- and k-norm +
+  RoPE of every head and (optionally) the K/V write into the pool's slots, one launch for what
+  took three (q, k, :func:`~kvstrata.kernels.kv_write.write_kv`).
 
 The ``*_ref`` functions are the torch references (the CPU path): exactly the ops of
 :mod:`kvstrata.nn.layers`.
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.layers import apply_rotary, rms_norm
+from .kv_write import check_kv_write, write_kv_ref
 
 try:
     import triton
@@ -44,6 +49,27 @@ def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _split_qkv(qkv: Tensor, hq: int, hkv: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    T = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    return q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+
+
+def qkv_norm_rope_ref(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: float,
+                      cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads: int,
+                      kv_cache: Tensor | None = None, layer: int = 0,
+                      slot_mapping: Tensor | None = None
+                      ) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    d = k_weight.shape[0]
+    q, k, v = _split_qkv(qkv, num_q_heads, num_kv_heads, d)
+    qo = head_norm_rope_ref(q, q_weight, eps, cos, sin) if num_q_heads else None
+    ko = head_norm_rope_ref(k, k_weight, eps, cos, sin)
+    if kv_cache is None:
+        return qo, ko, v
+    write_kv_ref(kv_cache, layer, ko, v, slot_mapping)
+    return qo, None, v
+
+
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, dim, eps, s_x, s_r, s_o, s_h,
@@ -63,16 +89,14 @@ if triton is not None:
         tl.store(out_ptr + row * s_o + c, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, s_xt, s_xh, s_ot,
-                               s_oh, s_c, s_s, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
+    def _norm_rope_head(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, s_c, s_s,
+                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, dt: tl.constexpr):
+        """One head's RMSNorm then rotate-half RoPE, each product rounded as torch rounds it
+        (``dt``: the activation dtype). Returns both halves in ``dt``."""
         i = tl.arange(0, HALF)
-        base = x_ptr + t * s_xt + h * s_xh
-        x1 = tl.load(base + i).to(tl.float32)
-        x2 = tl.load(base + HALF + i).to(tl.float32)
+        x1 = tl.load(x_ptr + i).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-        dt = out_ptr.dtype.element_ty
         w1 = tl.load(w_ptr + i).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + i).to(tl.float32)
         n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -81,12 +105,71 @@ if triton is not None:
         c2 = tl.load(cos_ptr + t * s_c + HALF + i).to(dt).to(tl.float32)
         s1 = tl.load(sin_ptr + t * s_s + i).to(dt).to(tl.float32)
         s2 = tl.load(sin_ptr + t * s_s + HALF + i).to(dt).to(tl.float32)
-        # rotate-half: [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2], each product rounded as torch
+        # rotate-half: [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2]
         o1 = ((n1 * c1).to(dt).to(tl.float32) + (-n2 * s1).to(dt).to(tl.float32)).to(dt)
         o2 = ((n2 * c2).to(dt).to(tl.float32) + (n1 * s2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
+
+    @triton.jit
+    def _head_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, s_xt, s_xh, s_ot,
+                               s_oh, s_c, s_s, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, HALF)
+        o1, o2 = _norm_rope_head(x_ptr + t * s_xt + h * s_xh, w_ptr, cos_ptr, sin_ptr, t, eps,
+                                 s_c, s_s, HEAD_DIM, HALF, out_ptr.dtype.element_ty)
         ob = out_ptr + t * s_ot + h * s_oh
         tl.store(ob + i, o1)
         tl.store(ob + HALF + i, o2)
+
+    @triton.jit
+    def _qkv_norm_rope_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, kv_ptr,
+                              slot_ptr, eps, layer_off, s_xt, s_qt, s_kt, s_c, s_s,
+                              s_page, s_kv, s_head, s_tok, NQ: tl.constexpr,
+                              NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                              PAGE_SIZE: tl.constexpr, WRITE: tl.constexpr):
+        # Grid (T, NQ + NKV): programs h < NQ own q head h; the others k head j = h - NQ and,
+        # writing, v head j too (v is copied as it is).
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        dt = q_ptr.dtype.element_ty
+        i = tl.arange(0, HALF)
+        row = x_ptr + t * s_xt
+        if h < NQ:
+            o1, o2 = _norm_rope_head(row + h * HEAD_DIM, qw_ptr, cos_ptr, sin_ptr, t, eps, s_c,
+                                     s_s, HEAD_DIM, HALF, dt)
+            ob = q_ptr + t * s_qt + h * HEAD_DIM
+            tl.store(ob + i, o1)
+            tl.store(ob + HALF + i, o2)
+        else:
+            j = (h - NQ).to(tl.int64)
+            o1, o2 = _norm_rope_head(row + (NQ + j) * HEAD_DIM, kw_ptr, cos_ptr, sin_ptr, t,
+                                     eps, s_c, s_s, HEAD_DIM, HALF, dt)
+            if WRITE:
+                slot = tl.load(slot_ptr + t).to(tl.int64)
+                if slot >= 0:          # negative slot = padding token, skipped
+                    base = (kv_ptr + layer_off + (slot // PAGE_SIZE) * s_page + j * s_head
+                            + (slot % PAGE_SIZE) * s_tok)
+                    tl.store(base + i, o1)
+                    tl.store(base + HALF + i, o2)
+                    d = tl.arange(0, HEAD_DIM)
+                    vv = tl.load(row + (NQ + NKV + j) * HEAD_DIM + d)
+                    tl.store(base + s_kv + d, vv)
+            else:
+                ob = k_ptr + t * s_kt + j * HEAD_DIM
+                tl.store(ob + i, o1)
+                tl.store(ob + HALF + i, o2)
+
+    @triton.jit
+    def _silu_mul_merged_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < n
+        g = tl.load(x_ptr + t * s_x + c, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * s_x + n + c, mask=ok, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + t * s_o + c, (s * u).to(dt), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -155,5 +238,73 @@ def silu_mul(gate: Tensor, up: Tensor, impl: str = "auto") -> Tensor:
     return out
 
 
+def silu_mul_merged(gate_up: Tensor, impl: str = "auto") -> Tensor:
+    """``silu(gate) * up`` of a merged ``[T, 2 * n]`` product (gate columns first, rows
+    contiguous) -> ``[T, n]``: the values of :func:`silu_mul` of the two halves."""
+    T, n2 = gate_up.shape
+    n = n2 // 2
+    if not _use_triton(gate_up, impl) or gate_up.stride(-1) != 1 or n2 % 2:
+        return silu_mul_ref(gate_up[:, :n], gate_up[:, n:])
+    out = torch.empty((T, n), dtype=gate_up.dtype, device=gate_up.device)
+    if T and n:
+        _silu_mul_merged_kernel[(T, triton.cdiv(n, 1024))](gate_up, out, n, gate_up.stride(0),
+                                                           out.stride(0), BLOCK=1024,
+                                                           num_warps=4)
+    return out
+
+
+def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: float,
+                  cos: Tensor, sin: Tensor, num_q_heads: int, num_kv_heads: int, *,
+                  kv_cache: Tensor | None = None, layer: int = 0,
+                  slot_mapping: Tensor | None = None, impl: str = "auto"
+                  ) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """q-norm + RoPE and k-norm + RoPE of a merged projection, and the K/V write, in one launch.
+
+    Args:
+        qkv: ``[T, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (q heads, k heads, v heads;
+            rows contiguous), e.g. :meth:`~kvstrata.nn.layers.AttentionProjections.qkv`.
+            ``num_q_heads`` may be 0 (k and v only: a drafter's context K/V).
+        q_weight, k_weight: the ``[head_dim]`` norm weights (``q_weight`` unused without q heads).
+        cos, sin: ``[T, head_dim]`` float32.
+        kv_cache, layer, slot_mapping: when given, K (normed, rotated) and V go into the pool as
+            :func:`~kvstrata.kernels.kv_write.write_kv` writes them (negative slots skipped)
+            and no k tensor is returned.
+
+    Returns:
+        ``(q [T, Hq, D] or None, k [T, Hkv, D] or None when written, v [T, Hkv, D])``; v is a
+        view of ``qkv``. Values equal :func:`head_norm_rope` of each part bit for bit.
+    """
+    T = qkv.shape[0]
+    d = k_weight.shape[0]
+    hq, hkv = num_q_heads, num_kv_heads
+    if qkv.dim() != 2 or qkv.shape[1] != (hq + 2 * hkv) * d:
+        raise ValueError(f"qkv must be [T, ({hq} + 2 * {hkv}) * {d}], got {tuple(qkv.shape)}")
+    write = kv_cache is not None
+    if write:
+        if slot_mapping is None:
+            raise ValueError("a K/V write needs slot_mapping")
+        check_kv_write(kv_cache, layer, (T, hkv, d), qkv.dtype, slot_mapping)
+    if not _use_triton(qkv, impl) or k_weight.dtype != qkv.dtype or (
+            hq and q_weight.dtype != qkv.dtype) or qkv.stride(1) != 1 or d & (d - 1) or (
+            cos.stride(1) != 1 or sin.stride(1) != 1) or (write and kv_cache.stride(5) != 1):
+        return qkv_norm_rope_ref(qkv, q_weight, k_weight, eps, cos, sin, hq, hkv, kv_cache,
+                                 layer, slot_mapping)
+    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    q = torch.empty((T, hq, d), dtype=qkv.dtype, device=qkv.device) if hq else None
+    k = None if write else torch.empty((T, hkv, d), dtype=qkv.dtype, device=qkv.device)
+    if T:
+        qa = q if q is not None else v
+        ka = k if k is not None else v
+        kv = kv_cache if write else v
+        st = kv_cache.stride() if write else (0,) * 6
+        _qkv_norm_rope_kernel[(T, hq + hkv)](
+            qkv, q_weight if hq else k_weight, k_weight, cos, sin, qa, ka, kv,
+            slot_mapping if write else cos, eps, layer * st[1], qkv.stride(0), qa.stride(0),
+            ka.stride(0), cos.stride(0), sin.stride(0), st[0], st[2], st[3], st[4],
+            NQ=hq, NKV=hkv, HEAD_DIM=d, HALF=d // 2,
+            PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=1)
+    return q, k, v
+
+
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "head_norm_rope", "head_norm_rope_ref",
-           "silu_mul", "silu_mul_ref"]
+           "qkv_norm_rope", "qkv_norm_rope_ref", "silu_mul", "silu_mul_merged", "silu_mul_ref"]

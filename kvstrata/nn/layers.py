@@ -9,7 +9,7 @@ with no renaming.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,17 +100,94 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * c + rot * s
 
 
+class MergedLinear:
+    """Linears that read one input, as one matrix product: their weights (and biases) are
+    concatenated along the output dim into one tensor, and each linear's parameters are rebound
+    as views of its rows, so the weights exist once in memory and the modules' names, state
+    dicts and fingerprints stay those of the separate linears.
+
+    ``merged(x)`` is ``torch.cat([l(x) for l in linears], -1)`` in one GEMM while the views hold;
+    once a parameter was replaced (``model.to(...)``, ``load_state_dict(assign=True)``,
+    training) it falls back to the separate products, concatenated: same values, never stale.
+    """
+
+    __slots__ = ("linears", "weight", "bias")
+
+    def __init__(self, linears: Sequence[nn.Linear]):
+        self.linears = tuple(linears)
+        if not self.linears or len({l.in_features for l in self.linears}) != 1:
+            raise ValueError("MergedLinear needs linears of one input width")
+        if len({l.bias is None for l in self.linears}) != 1:
+            raise ValueError("MergedLinear needs all linears with a bias or none")
+        with torch.no_grad():
+            self.weight = torch.cat([l.weight.detach() for l in self.linears], 0)
+            self.bias = (None if self.linears[0].bias is None else
+                         torch.cat([l.bias.detach() for l in self.linears], 0))
+        at = 0
+        for l in self.linears:
+            n = l.out_features
+            grad = l.weight.requires_grad
+            l.weight = nn.Parameter(self.weight[at:at + n], requires_grad=grad)
+            if self.bias is not None:
+                l.bias = nn.Parameter(self.bias[at:at + n], requires_grad=grad)
+            at += n
+
+    def holds(self) -> bool:
+        """Whether every linear's parameters are still views of the merged tensors."""
+        w, b = self.weight, self.bias
+        row = w.shape[1] * w.element_size()
+        at = 0
+        for l in self.linears:
+            if (l.weight.data_ptr() != w.data_ptr() + at * row or l.weight.dtype != w.dtype
+                    or l.weight.device != w.device):
+                return False
+            if b is not None and l.bias.data_ptr() != b.data_ptr() + at * b.element_size():
+                return False
+            at += l.out_features
+        return True
+
+    def __call__(self, x: Tensor, first: int = 0) -> Tensor:
+        """``cat([l(x) for l in linears[first:]], -1)``; the linears from ``first`` on are
+        adjacent rows of the merged weight, so this is one product too."""
+        if self.holds():
+            at = sum(l.out_features for l in self.linears[:first])
+            return F.linear(x, self.weight[at:], None if self.bias is None else self.bias[at:])
+        return torch.cat([l(x) for l in self.linears[first:]], -1)
+
+
+def merged(linears: Sequence[nn.Linear], current: MergedLinear | None) -> MergedLinear:
+    """``current`` while its views hold, else a new :class:`MergedLinear` of ``linears``."""
+    return current if current is not None and current.holds() else MergedLinear(linears)
+
+
 class SwiGLUMLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``."""
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``.
+
+    :meth:`merge` (once, after loading) makes gate and up one ``[2 * inter, hidden]`` matrix:
+    :meth:`gate_up` is then one product.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._gate_up: MergedLinear | None = None
+
+    def merge(self) -> None:
+        """Gate and up as one matrix (views; idempotent)."""
+        self._gate_up = merged((self.gate_proj, self.up_proj), self._gate_up)
+
+    def gate_up(self, x: Tensor) -> Tensor:
+        """``cat(gate_proj(x), up_proj(x), -1)``: ``[T, 2 * inter]``, one product when merged."""
+        if self._gate_up is None:
+            return torch.cat([self.gate_proj(x), self.up_proj(x)], -1)
+        return self._gate_up(x)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up(x)
+        n = self.gate_proj.out_features
+        return self.down_proj(F.silu(gu[..., :n]) * gu[..., n:])
 
 
 class AttentionProjections(nn.Module):
@@ -138,6 +215,20 @@ class AttentionProjections(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self._qkv: MergedLinear | None = None
+
+    def merge(self) -> None:
+        """q, k and v projections as one ``[(Hq + 2 Hkv) * D, hidden]`` matrix (views;
+        idempotent). Only when all three read one width (no ``kv_input_size``)."""
+        if self.q_proj.in_features == self.k_proj.in_features:
+            self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+
+    def qkv(self, x: Tensor) -> Tensor:
+        """``cat(q_proj(x), k_proj(x), v_proj(x), -1)``: ``[T, (Hq + 2 Hkv) * D]``, one product
+        when merged."""
+        if self._qkv is None:
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        return self._qkv(x)
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
@@ -153,5 +244,5 @@ class AttentionProjections(nn.Module):
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
-__all__ = ["AttentionProjections", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary",
-           "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["AttentionProjections", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary",
+           "merged", "rms_norm", "rope_cos_sin", "rope_inv_freq"]

@@ -20,8 +20,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.kv_write import write_kv
-from ..kernels.layer_ops import add_rms_norm, head_norm_rope, silu_mul
+from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from ..nn.hfconfig import decoder_fields
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
@@ -188,6 +187,18 @@ class Qwen3Model(nn.Module):
         self.rotary = RotaryEmbedding(self.config.head_dim, self.config.rope_theta,
                                       self.config.rope_scaling).to(device)
         self._fingerprint = None
+        self.merge_weights()
+
+    def merge_weights(self) -> None:
+        """Per layer, q/k/v as one matrix and gate/up as one (the parameters become views of
+        them: one copy in memory, the same names, state dict and fingerprint). Loading merges;
+        call it again after replacing parameters (``.to(...)``) or on a model built in code.
+        Idempotent; until then (or when the views broke) each forward takes separate products
+        of the same values."""
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.self_attn.merge()
+                layer.mlp.merge()
 
     # -- identity / KV layout ---------------------------------------------------------------
     @property
@@ -256,25 +267,24 @@ class Qwen3Model(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         captured: list[Tensor | None] = [None] * len(capture_layers)
-        eps, T = cfg.rms_norm_eps, input_ids.shape[0]
-        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
         x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
                             impl=attn_impl)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            q = head_norm_rope(attn.q_proj(x).view(T, hq, hd), attn.q_norm.weight,
-                               attn.q_norm.eps, cos, sin, impl=attn_impl)
-            k = head_norm_rope(attn.k_proj(x).view(T, hkv, hd), attn.k_norm.weight,
-                               attn.k_norm.eps, cos, sin, impl=attn_impl)
-            v = attn.v_proj(x).view(T, hkv, hd)
-            write_kv(kv_cache, i, k, v, slot_mapping, impl=attn_impl)
+            # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
+            # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
+            q, _, _ = qkv_norm_rope(attn.qkv(x), attn.q_norm.weight, attn.k_norm.weight,
+                                    attn.q_norm.eps, cos, sin, hq, hkv, kv_cache=kv_cache,
+                                    layer=i, slot_mapping=slot_mapping, impl=attn_impl)
             o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                 sliding_window=windows[i], impl=attn_impl)
             x, h = add_rms_norm(attn.project_out(o), layer.post_attention_layernorm.weight, eps,
                                 residual=h, impl=attn_impl)
-            y = mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x), impl=attn_impl))
+            y = mlp.down_proj(silu_mul_merged(mlp.gate_up(x), impl=attn_impl))
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = add_rms_norm(y, nxt.weight, eps, residual=h, impl=attn_impl)
             for j, l in enumerate(capture_layers):
