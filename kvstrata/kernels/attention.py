@@ -85,18 +85,17 @@ def paged_attention_ref(q: Tensor, kv_cache: Tensor, layer: int, meta: Attention
     _, _, _, hkv, page_size, d = kv_cache.shape
     hq = q.shape[1]
     group = hq // hkv
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if meta.query_lens is None else torch.zeros_like(q)
     seq_lens, q_lens = meta.host_lens()
+    starts = meta.host_starts()
     bt = meta.block_tables
-    start = 0
-    for s, (L, ql) in enumerate(zip(seq_lens, q_lens)):
+    for s, (L, ql, start) in enumerate(zip(seq_lens, q_lens, starts)):
         if ql == 0:
             continue
         if meta.causal and L == 0:
             # A padding row of a captured batch (length 0): nothing visible, output 0 (as the
             # kernel writes).
             out[start:start + ql] = 0
-            start += ql
             continue
         n_pages = math.ceil(L / page_size)
         pages = kv_cache[bt[s, :n_pages].long(), layer].float()  # [n, 2, hkv, P, D]
@@ -124,7 +123,6 @@ def paged_attention_ref(q: Tensor, kv_cache: Tensor, layer: int, meta: Attention
         p = torch.softmax(scores, dim=-1)
         o = torch.einsum("hgqk,hkd->hgqd", p, v)  # [hkv, group, ql, D]
         out[start:start + ql] = o.permute(2, 0, 1, 3).reshape(ql, hq, d).to(q.dtype)
-        start += ql
     return out
 
 

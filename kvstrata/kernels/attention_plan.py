@@ -91,6 +91,11 @@ class AttentionMetadata:
             reads instead of the host int (a CUDA graph's plan: the runner writes it each step;
             ``tokens_per_split`` is then the largest value it may take, and the grid stays
             ``num_splits`` wide).
+        query_lens: optional ``[num_seqs] int32`` device lengths of each sequence's queries,
+            which then start at ``query_start_loc[s]`` and may be shorter than the gap to the
+            next sequence (a CUDA graph's plan packs every sequence at a fixed stride; a
+            shortened block uses its first ``query_lens[s]`` rows; the rest are left
+            unwritten and nothing reads them).
     """
 
     block_tables: Tensor
@@ -105,6 +110,7 @@ class AttentionMetadata:
     seq_lens_host: list[int] | None = None
     query_lens_host: list[int] | None = None
     split_tokens: Tensor | None = None
+    query_lens: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -117,12 +123,22 @@ class AttentionMetadata:
         return int(self.query_start_loc[-1])
 
     def host_lens(self) -> tuple[list[int], list[int]]:
-        """``(seq_lens, query_lens)`` as host lists (syncs only if plan did not get host copies)."""
+        """``(seq_lens, query_lens)`` as host lists (syncs only if plan did not get host copies).
+        With device ``query_lens`` these are the per-row lengths (see :meth:`host_starts`)."""
         sl = self.seq_lens_host if self.seq_lens_host is not None else self.seq_lens.tolist()
+        if self.query_lens is not None:
+            return sl, self.query_lens.tolist()
         ql = self.query_lens_host
         if ql is None:
             ql = torch.diff(self.query_start_loc).tolist()
         return sl, ql
+
+    def host_starts(self) -> list[int]:
+        """First packed row of each sequence's queries, as a host list."""
+        if self.query_lens is not None:
+            return self.query_start_loc[:-1].tolist()
+        ql = self.host_lens()[1]
+        return [sum(ql[:i]) for i in range(len(ql))]
 
 
 def _as_host_list(x, what: str) -> list[int] | None:

@@ -70,7 +70,7 @@ def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.con
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, kv_ptr, bk_ptr, bv_ptr, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
-        bt_ptr, seq_lens_ptr, qsl_ptr, tps_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, tps_ptr, qlens_ptr,
         layer_off, qk_scale, window, tokens_per_split, num_q_blocks, num_splits,
         s_qt, s_qh, s_page, s_layer, s_kv, s_head, s_tok,
         s_bkt, s_bkh, s_bvt, s_bvh, s_ot, s_oh, s_bt,
@@ -80,7 +80,7 @@ def _paged_attention_kernel(
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr):
+        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -88,7 +88,11 @@ def _paged_attention_kernel(
     seq = pid // num_q_blocks
     qblk = pid % num_q_blocks
     q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if QLENS:
+        # A captured plan's per-row query lengths (rows packed at a fixed stride).
+        q_len = tl.load(qlens_ptr + seq)
+    else:
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if qblk * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -374,6 +378,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         q, kv_cache, bk, bv, out, part_o, part_lse, counters,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         tps_dev if tps_dev is not None else meta.seq_lens,
+        meta.query_lens if meta.query_lens is not None else meta.seq_lens,
         layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
         max(per, 1), num_q_blocks, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
@@ -388,6 +393,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
+        QLENS=meta.query_lens is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:

@@ -6,17 +6,19 @@ lists, after ONE small device-to-host copy into pinned memory.
 
 Two paths:
 
-- **decode** (every item generates with a full block of ``B`` positions, greedy, paged drafter or
-  none): the step reads persistent device buffers (pending token, committed length and block
-  table row per sequence, split lengths of the attention plans), computes positions and slots on
-  the device, drafts ``B-1`` tokens, verifies ``B`` positions, accepts greedily, writes the draft
-  context K/V of the committed rows (slots of rejected rows are masked to -1) and leaves
-  ``[tokens..., count]`` per row in a device buffer. With CUDA graphs on, the batch is padded to
+- **decode** (every item generates with a block of ``1..B`` positions, greedy, paged drafter or
+  none): the step reads persistent device buffers (pending token, committed length, block
+  length and block table row per sequence, split lengths of the attention plans), computes
+  positions and slots on the device, drafts up to ``B-1`` tokens, verifies up to ``B``
+  positions, accepts greedily, writes the draft context K/V of the committed rows (slots of
+  rejected rows are masked to -1) and leaves ``[tokens..., count]`` per row in a device buffer.
+  Rows sit at a fixed stride of ``B``; a shortened block (a sequence's last, or one at the
+  length limit) uses its first ``n`` rows (the plans carry per-row query lengths), the rest
+  are masked: slot -1, never attended to, never accepted. With CUDA graphs on, the batch is padded to
   the next size of a ladder and two graphs per size are replayed (draft, verify); padding rows
   carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
   ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
-- **general** (prefill chunks, mixed steps, shortened last blocks, sampling, the arena
-  baseline): packed eager forward (:class:`~.general.GeneralPath`, in its own module).
+- **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager forward (:class:`~.general.GeneralPath`, in its own module).
 
 Graph replay runs the same kernels with the same launch parameters on the same buffers as the
 eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
@@ -45,6 +47,8 @@ from .step import StepItem, StepTiming
 GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
 #: ``tokens_per_split`` of the graphs' plans is a multiple of this (every kernel tile divides it).
 _SPLIT_ALIGN = 128
+#: Default :attr:`RunnerConfig.min_split_tokens`.
+MIN_SPLIT_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,22 @@ class RunnerConfig:
             batch runs in the graph of the smallest size that holds it.
         timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
+        min_split_tokens: the decode path's split-KV plans cut a sequence into pieces of at
+            least this many tokens (a multiple of 128): each step splits the longest context
+            of the batch evenly over the plan's split programs, never shorter than this, so a
+            long context runs fewer, longer splits (``benchmarks/runner_bench.py --sweep``).
     """
 
     cuda_graphs: bool = True
     batch_sizes: tuple[int, ...] | None = None
     timing: bool = False
+    min_split_tokens: int = MIN_SPLIT_TOKENS
 
     def __post_init__(self) -> None:
+        m = self.min_split_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or m < _SPLIT_ALIGN or m % _SPLIT_ALIGN:
+            raise ValueError(f"RunnerConfig.min_split_tokens must be a positive multiple of "
+                             f"{_SPLIT_ALIGN}, got {m!r}")
         if self.batch_sizes is not None:
             sizes = tuple(self.batch_sizes)
             if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
@@ -132,6 +145,10 @@ class ModelRunner:
             raise ValueError(f"runner config must be a RunnerConfig, got {type(config).__name__}")
         self.target, self.drafter, self.pool, self.mgr = target, drafter, pool, mgr
         self.arena, self.generator, self.attn_impl = arena, generator, attn_impl
+        # One product for q/k/v and one for gate/up per layer (idempotent: loading merges).
+        target.merge_weights()
+        if drafter is not None:
+            drafter.merge_weights()
         self.device = dev = pool.device
         self.B = B = block_size if drafter is not None else 1
         self.P = P = pool.page_size
@@ -146,12 +163,16 @@ class ModelRunner:
         if self.ladder[-1] < max_batch_size and self.use_graphs:
             self.ladder = tuple(sorted(set(self.ladder) | {max_batch_size}))
         # Persistent device buffers (graphs read these addresses on every replay). ``small``
-        # holds, per row, the pending token and the committed length (-1: padding row), then
-        # the three plans' split lengths; it travels in one host->device copy per step.
+        # holds, per row, the pending token, the committed length (-1: padding row) and the
+        # block length, then the three plans' split lengths; it travels in one host->device
+        # copy per step. The plans read the block lengths as int32 (``qlen32``).
         mb = max_batch_size
-        self._small = torch.zeros(2 * mb + 3, dtype=torch.int64, device=dev)
+        self._small = torch.zeros(3 * mb + 3, dtype=torch.int64, device=dev)
         self.tok, self.start = self._small[:mb], self._small[mb:2 * mb]
-        self.split_tokens = self._small[2 * mb:]
+        self.qlen = self._small[2 * mb:3 * mb]
+        self.qlen32 = torch.zeros(mb, dtype=torch.int32, device=dev)
+        self.split_tokens = self._small[3 * mb:]
+        self.min_split_tokens = config.min_split_tokens
         self.block_tables = torch.zeros((mb, self.max_pages), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros((3, mb), dtype=torch.int32, device=dev)
         self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
@@ -159,7 +180,7 @@ class ModelRunner:
         self._offs = torch.arange(B, dtype=torch.int64, device=dev)
         self._qsl = (torch.arange(mb + 1, dtype=torch.int32, device=dev) * B)
         pin = dev.type == "cuda"
-        self._h_small = torch.zeros(2 * mb + 3, dtype=torch.int64, pin_memory=pin)
+        self._h_small = torch.zeros(3 * mb + 3, dtype=torch.int64, pin_memory=pin)
         self._h_bt = torch.zeros((mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
         self._h_out = torch.zeros((mb, B + 1), dtype=torch.int32, pin_memory=pin)
         self._hs, self._hbt, self._ho = (self._h_small.numpy(), self._h_bt.numpy(),
@@ -198,18 +219,26 @@ class ModelRunner:
 
     # -- plans ----------------------------------------------------------------------------------
     def _splits(self, b: int, q: int, num_kv_heads: int) -> int:
-        return choose_num_splits(b, self.max_seq_len, num_kv_heads=num_kv_heads,
-                                 num_q_blocks=max(1, math.ceil(q / 16)),
-                                 num_sms=device_num_sms(self.device, 132), max_query_len=q)
+        s = choose_num_splits(b, self.max_seq_len, num_kv_heads=num_kv_heads,
+                              num_q_blocks=max(1, math.ceil(q / 16)),
+                              num_sms=device_num_sms(self.device, 132), max_query_len=q)
+        # No more programs than splits of min_split_tokens can use.
+        return max(1, min(s, math.ceil(self.max_seq_len / self.min_split_tokens)))
+
+    def _split_len(self, longest: int, splits: int) -> int:
+        """Tokens per split: ``longest`` over ``splits`` programs, aligned, at least
+        ``min_split_tokens``."""
+        per = math.ceil(math.ceil(max(longest, 1) / splits) / _SPLIT_ALIGN) * _SPLIT_ALIGN
+        return max(per, self.min_split_tokens)
 
     def _meta(self, b: int, which: int, causal: bool, splits: int) -> AttentionMetadata:
-        per = math.ceil(math.ceil(self.max_seq_len / splits) / _SPLIT_ALIGN) * _SPLIT_ALIGN
         return AttentionMetadata(
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[which, :b],
             query_start_loc=self._qsl[:b + 1], max_query_len=self.B,
             max_seq_len=self.max_seq_len, causal=causal, page_size=self.P, num_splits=splits,
-            tokens_per_split=per, query_lens_host=[self.B] * b,
-            split_tokens=self.split_tokens[which:which + 1])
+            tokens_per_split=self._split_len(self.max_seq_len, splits),
+            query_lens_host=[self.B] * b, split_tokens=self.split_tokens[which:which + 1],
+            query_lens=self.qlen32[:b])
 
     def plans(self, b: int) -> _Plans:
         """The decode path's attention plans for ``b`` rows over the persistent buffers."""
@@ -234,8 +263,8 @@ class ModelRunner:
         if not items or len(items) > self.max_batch or (self.drafter is not None
                                                         and not self.paged):
             return False
-        return all(it.decode and it.n == self.B and it.params.greedy and not it.banned_rows
-                   for it in items)
+        return all(it.decode and 1 <= it.n <= self.B and it.params.greedy
+                   and not it.banned_rows for it in items)
 
     @torch.inference_mode()
     def execute(self, items: list[StepItem]) -> list[list[int]]:
@@ -282,8 +311,9 @@ class ModelRunner:
         return [res[i, :res[i, B]].tolist() for i in range(n)]
 
     def _stage(self, items: list[StepItem], b: int) -> None:
-        """Host side of a decode step: pending tokens, lengths, block tables and split lengths
-        into pinned staging, then two asynchronous copies into the persistent buffers."""
+        """Host side of a decode step: pending tokens, lengths, block lengths, block tables and
+        split lengths into pinned staging, then two asynchronous copies into the persistent
+        buffers."""
         mb, hs, hbt = self.max_batch, self._hs, self._hbt
         seqs = self.mgr.seqs
         top = 0
@@ -292,13 +322,14 @@ class ModelRunner:
             hbt[i, :len(pages)] = pages
             hs[i] = it.tokens[-1]
             hs[mb + i] = it.start
+            hs[2 * mb + i] = it.n
             top = max(top, it.start)
         hs[len(items):b] = 0
         hs[mb + len(items):mb + b] = -1      # padding rows: slot -1, length 0
+        hs[2 * mb + len(items):2 * mb + b] = self.B
         sv, sb, sc = self.plans(b).splits
         for j, (s, longest) in enumerate(((sv, top + self.B), (sb, top), (sc, top + self.B))):
-            per = math.ceil(max(longest, 1) / s)
-            hs[2 * mb + j] = math.ceil(per / _SPLIT_ALIGN) * _SPLIT_ALIGN
+            hs[3 * mb + j] = self._split_len(longest, s)
         self._small.copy_(self._h_small, non_blocking=True)
         self.block_tables[:b].copy_(self._h_bt[:b], non_blocking=True)
 
@@ -314,25 +345,30 @@ class ModelRunner:
                 self.timing.target_s += e[1].elapsed_time(e[2]) / 1e3
         return self._ho[:b]
 
-    def _positions(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Positions ``[b*B]``, slots ``[b, B]`` (-1 on padding rows), the valid-row mask and
-        the clamped committed lengths, all computed on the device."""
-        start = self.start[:b]
+    def _positions(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Positions ``[b*B]``, slots ``[b, B]`` (-1 on padding rows and past a row's block
+        length), the valid-row mask, the clamped committed lengths and the block lengths, all
+        computed on the device (the block lengths also into the plans' int32 copy)."""
+        start, qlen = self.start[:b], self.qlen[:b]
+        self.qlen32[:b].copy_(qlen)
         valid = start >= 0
         s0 = start.clamp_min(0)
         pos = s0[:, None] + self._offs[None, :]
-        page = torch.gather(self.block_tables[:b], 1, pos // self.P).to(torch.int64)
-        slots = torch.where(valid[:, None], page * self.P + pos % self.P, -1)
-        return pos.reshape(-1), slots, valid, s0
+        # Rows past a shortened block may lie past the block table: clamp (their slot is -1).
+        page_of = (pos // self.P).clamp_max(self.max_pages - 1)
+        page = torch.gather(self.block_tables[:b], 1, page_of).to(torch.int64)
+        used = valid[:, None] & (self._offs[None, :] < qlen[:, None])
+        slots = torch.where(used, page * self.P + pos % self.P, -1)
+        return pos.reshape(-1), slots, valid, s0, qlen
 
     def _draft_fn(self, b: int) -> None:
         """Draft ``B-1`` greedy tokens per row into ``self.drafts`` (captured as a graph)."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
-        pos, slots, valid, s0 = self._positions(b)
+        pos, slots, valid, s0, qlen = self._positions(b)
         plans = self.plans(b)
         self.seq_lens[1, :b].copy_(s0)
         if plans.causal is not None:
-            self.seq_lens[2, :b].copy_(torch.where(valid, s0 + B, 0))
+            self.seq_lens[2, :b].copy_(torch.where(valid, s0 + qlen, 0))
         ids = torch.full((b, B), cfg.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = self.tok[:b]
         noise = self.target.embed(ids.reshape(-1))
@@ -349,9 +385,9 @@ class ModelRunner:
         """Verify ``B`` positions per row, accept greedily, write the draft context of the
         committed rows; leaves ``[target tokens, count]`` in ``self.out`` (captured)."""
         B = self.B
-        pos, slots, valid, s0 = self._positions(b)
+        pos, slots, valid, s0, qlen = self._positions(b)
         plans = self.plans(b)
-        self.seq_lens[0, :b].copy_(torch.where(valid, s0 + B, 0))
+        self.seq_lens[0, :b].copy_(torch.where(valid, s0 + qlen, 0))
         if self.drafter is not None:
             ids = torch.cat([self.tok[:b, None], self.drafts[:b, :B - 1]], 1)
         else:
@@ -362,8 +398,10 @@ class ModelRunner:
         tgt = self._greedy(hidden).view(b, B)
         if self.drafter is not None:
             # Drafts equal the target's tokens up to the first mismatch, so the produced tokens
-            # are the target's first acc + 1; their inputs (rows 0..acc) are committed.
+            # are the target's first acc + 1; their inputs (rows 0..acc) are committed. A
+            # shortened block of n rows accepts at most n - 1 drafts.
             acc = (self.drafts[:b, :B - 1] == tgt[:, :-1]).to(torch.int32).cumprod(1).sum(1)
+            acc = torch.minimum(acc, (qlen - 1).clamp_min(0).to(torch.int32))
             keep = self._offs[None, :] <= acc[:, None]
             self.drafter.write_context(torch.cat(cap, -1), pos,
                                        torch.where(keep, slots, -1).reshape(-1),
@@ -397,7 +435,8 @@ class ModelRunner:
         mb = self.max_batch
         self._hs[:mb] = 0
         self._hs[mb:2 * mb] = -1                      # every row padding: nothing is written
-        self._hs[2 * mb:] = _SPLIT_ALIGN
+        self._hs[2 * mb:3 * mb] = self.B
+        self._hs[3 * mb:] = self.min_split_tokens
         self._small.copy_(self._h_small)
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
