@@ -118,6 +118,24 @@ class Bench:
             self.llm.mgr.free(k)
 
 
+def _graph_us(fn, layers: int, reps: int = 20) -> float:
+    """Per-layer device time of ``fn`` (all layers) captured in one graph, median of replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(reps + 2):
+        ev[0].record()
+        g.replay()
+        ev[1].record()
+        ev[1].synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / layers)
+    return statistics.median(ts[2:])
+
+
 def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
     """Batch-1 decode attention over ``layers`` layers of ``ctx`` tokens (8 KV heads, GQA 4,
     d 128, bf16), captured in a graph: per-layer device time with the fused single-launch
@@ -135,30 +153,58 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
             for layer in range(layers):
                 at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088,
                                           config=dict(FUSED_REDUCE=fused))
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ts = []
-        for _ in range(22):
-            ev[0].record()
-            g.replay()
-            ev[1].record()
-            ev[1].synchronize()
-            ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / layers)
-        out["fused_us" if fused else "split_merge_us"] = statistics.median(ts[2:])
+        out["fused_us" if fused else "split_merge_us"] = _graph_us(fn, layers)
     out["floor_us"] = ctx * 8 * 128 * 2 * 2 / bw * 1e6
     del kv
     return out
 
 
+def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36) -> list[dict]:
+    """Batch-1 causal attention of ``q_len`` queries (decode 1, verify 16) over ``ctx`` tokens,
+    36 layers in one graph, per layer: every split count (``tokens_per_split = ctx / splits``)
+    x KV tile (BLOCK_N) x grid as the runner builds it (64 split programs, the step's split
+    length read from device memory, the idle ones exit) or exactly ``splits`` wide."""
+    import dataclasses
+    from kvstrata.kernels import attention_triton as at
+    from kvstrata.kernels.attention_plan import plan_attention
+    pages = ctx // 16 + 1
+    kv = torch.randn((pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+    bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
+    q = torch.randn((q_len, 32, 128), dtype=torch.bfloat16, device="cuda")
+    floor = ctx * 8 * 128 * 2 * 2 / bw * 1e6
+    rows = []
+    for splits in (4, 8, 16, 32, 64):
+        per = -(-ctx // splits)
+        per = -(-per // 128) * 128
+        for block_n in (32, 64):
+            for grid in ("exact", "runner"):
+                base = plan_attention(bt, [ctx], [q_len], page_size=16, num_kv_heads=8,
+                                      num_splits=splits if grid == "exact" else 64)
+                if grid == "exact":
+                    meta = dataclasses.replace(base, tokens_per_split=per)
+                else:
+                    dev = torch.tensor([per], dtype=torch.int64, device="cuda")
+                    meta = dataclasses.replace(base, tokens_per_split=per, split_tokens=dev)
+
+                def fn():
+                    for layer in range(layers):
+                        at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088,
+                                                  config=dict(BLOCK_N=block_n))
+                us = _graph_us(fn, layers)
+                rows.append(dict(ctx=ctx, q=q_len, splits=splits, tokens_per_split=per,
+                                 block_n=block_n, grid=grid, us=us, floor_us=floor))
+                print(f"sweep ctx {ctx} q {q_len} splits {splits:2d} ({per:5d} tok) BLOCK_N "
+                      f"{block_n} grid {grid:6s}: {us:6.1f} us/layer, x floor {us / floor:.2f}",
+                      flush=True)
+    del kv
+    return rows
+
+
 def shipped_e2e(lines: list[str], res: dict) -> None:
     """Tokens/s of the shipped trained pair, speculative vs plain, graphs on and off."""
     from kvstrata.assets.corpus import heldout_prompts
-    lines += ["", "| shipped pair | batch | graphs | new tokens | tokens/s | AL |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| shipped pair | batch | graphs | new tokens | tokens/s | AL | graph / decode "
+              "/ general steps (both runs) |", "|---|---|---|---|---|---|---|"]
     for b in (1, 16):
         prompts = heldout_prompts(b, 256, seed=0)
         sp = SamplingParams(max_tokens=256)
@@ -178,38 +224,31 @@ def shipped_e2e(lines: list[str], res: dict) -> None:
                 n = sum(len(o.token_ids) for o in outs)
                 als = [a for o in outs for a in o.acceptance_lengths]
                 al = sum(als) / len(als)
+                st = llm.runner.stats()
                 res.setdefault("e2e", []).append(dict(mode=mode, batch=b, graphs=graphs,
-                                                      tokens=n, tok_s=n / dt, al=al))
+                                                      tokens=n, tok_s=n / dt, al=al, **st))
                 lines.append(f"| {mode} | {b} | {'on' if graphs else 'off'} | {n} | "
-                             f"{n / dt:.0f} | {al:.2f} |")
+                             f"{n / dt:.0f} | {al:.2f} | {st['graph_steps']} / "
+                             f"{st['decode_steps']} / {st['general_steps']} |")
                 print(lines[-1], flush=True)
                 del llm
 
 
-def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
+def make_llm(target, drafter, batch, max_ctx, graphs=True, min_split=None) -> LLM:
     B = drafter.cfg.block_size if drafter is not None else 1
     cache = CacheConfig(page_size=16, max_seq_len=max_ctx + 512, max_batch_size=batch,
                         max_num_batched_tokens=max(2048, batch * B), target_codec="identity",
                         draft_codec="identity")
+    extra = {} if min_split is None else {"min_split_tokens": min_split}
     llm = LLM(target, drafter, cache, device="cuda",
-              runner=RunnerConfig(cuda_graphs=graphs, batch_sizes=(batch,)))
+              runner=RunnerConfig(cuda_graphs=graphs, batch_sizes=(batch,), **extra))
     for t in llm.pool.kv.values():
         t.normal_(0, 0.5)
     return llm
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--target-layers", type=int, default=None)
-    ap.add_argument("--attn-contexts", type=int, nargs="*", default=[8192, 32768])
-    ap.add_argument("--e2e", action="store_true", help="also the shipped pair end to end")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    bw = copy_rate()
+def engine_steps(args, bw: float, row) -> None:
+    """Plain and speculative engine steps of the 8B-shaped pair, each batch and context."""
     p = PRESETS["8b"]
     target, drafter = build_models(p, "cuda", torch.bfloat16, target_layers=args.target_layers)
     target._fingerprint = "bench-target-8b"
@@ -219,8 +258,65 @@ def main():
     c, dc = target.config, drafter.cfg
     kv_t = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
     kv_d = dc.num_hidden_layers * 2 * dc.num_key_value_heads * dc.head_dim * 2
-    print(f"copy rate {bw / 1e12:.3f} TB/s (read + write); target {w_t / 1e9:.2f} GB read per "
-          f"step, drafter {w_d / 1e9:.2f} GB, LM head {w_head / 1e9:.2f} GB", flush=True)
+    print(f"target {w_t / 1e9:.2f} GB read per step, drafter {w_d / 1e9:.2f} GB, LM head "
+          f"{w_head / 1e9:.2f} GB", flush=True)
+    max_ctx = max(args.contexts)
+    for mode, d in (("plain", None), ("spec", drafter)):
+        for b in args.batches:
+            t0 = time.perf_counter()
+            llm = make_llm(target, d, b, max_ctx)
+            print(f"{mode} b{b}: LLM + capture {time.perf_counter() - t0:.1f} s, graph pool "
+                  f"{llm.runner.graph_pool_bytes / 2**20:.0f} MiB, splits "
+                  f"{llm.runner.plans(b).splits}, min split {llm.runner.min_split_tokens}",
+                  flush=True)
+            for ctx in args.contexts:
+                bench = Bench(llm, b, ctx, mode)
+                kv = b * ctx * (kv_t + (kv_d if d is not None else 0))
+                floor = ((w_t + (w_d + w_head if d is not None else 0) + kv) / bw) * 1e3
+                ms = bench.step_ms(args.steps)
+                llm.runner.use_graphs = False
+                eager = bench.step_ms(max(3, args.steps // 5))
+                llm.runner.use_graphs = True
+                name = f"{mode} decode step" if d is None else "speculative step"
+                row(name, b, ctx, ms, eager, floor)
+                if b == 1:
+                    default = llm.runner.min_split_tokens
+                    for m in args.min_split:
+                        llm.runner.min_split_tokens = m
+                        row(f"{name}, min split {m}", b, ctx, bench.step_ms(args.steps), None,
+                            floor)
+                    llm.runner.min_split_tokens = default
+                if d is not None and b == 1:
+                    fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
+                    row(f"verify-{llm.block_size} (graph replay)", b, ctx,
+                        bench.graph_ms("verify", 50), None, fl_v)
+                    fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
+                    row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d)
+                bench.close()
+                del bench      # it holds the LLM: the pool must go before the next one
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--target-layers", type=int, default=None)
+    ap.add_argument("--attn-contexts", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--e2e", action="store_true", help="also the shipped pair end to end")
+    ap.add_argument("--sweep", action="store_true",
+                    help="batch-1 split sweep of the attention kernel (decode and verify-16)")
+    ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--min-split", type=int, nargs="*", default=[],
+                    help="batch-1 steps again with these RunnerConfig.min_split_tokens "
+                         "(set per step on the captured graphs)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    bw = copy_rate()
     res = {"copy_rate_Bps": bw, "rows": []}
     lines = ["| step | batch | context | graphs ms | eager ms | floor ms | graphs x floor |",
              "|---|---|---|---|---|---|---|"]
@@ -239,34 +335,12 @@ def main():
         print(f"decode attention b1 {ctx}: {a['splits']} splits, fused {a['fused_us']:.1f} us, "
               f"split+merge {a['split_merge_us']:.1f} us per layer, floor {a['floor_us']:.1f} us "
               f"(fused x floor {a['fused_us'] / a['floor_us']:.2f})", flush=True)
-    max_ctx = max(args.contexts)
-    for mode, d in (("plain", None), ("spec", drafter)):
-        for b in args.batches:
-            t0 = time.perf_counter()
-            llm = make_llm(target, d, b, max_ctx)
-            print(f"{mode} b{b}: LLM + capture {time.perf_counter() - t0:.1f} s, graph pool "
-                  f"{llm.runner.graph_pool_bytes / 2**20:.0f} MiB", flush=True)
-            for ctx in args.contexts:
-                bench = Bench(llm, b, ctx, mode)
-                kv = b * ctx * (kv_t + (kv_d if d is not None else 0))
-                floor = ((w_t + (w_d + w_head if d is not None else 0) + kv) / bw) * 1e3
-                ms = bench.step_ms(args.steps)
-                llm.runner.use_graphs = False
-                eager = bench.step_ms(max(3, args.steps // 5))
-                llm.runner.use_graphs = True
-                row(f"{mode} decode step" if d is None else "speculative step", b, ctx, ms,
-                    eager, floor)
-                if d is not None and b == 1:
-                    fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
-                    row(f"verify-{llm.block_size} (graph replay)", b, ctx,
-                        bench.graph_ms("verify", 50), None, fl_v)
-                    fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
-                    row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d)
-                bench.close()
-                del bench      # it holds the LLM: the pool must go before the next one
-            del llm
-            gc.collect()
-            torch.cuda.empty_cache()
+    if args.sweep:
+        for ctx in args.sweep_contexts:
+            for q_len in (1, 16):
+                res.setdefault("split_sweep", []).extend(split_sweep(ctx, q_len, bw))
+    if args.batches:
+        engine_steps(args, bw, row)
     if args.e2e:
         shipped_e2e(lines, res)
     lines.append("")

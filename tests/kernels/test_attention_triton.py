@@ -304,3 +304,45 @@ def test_device_split_length_and_padding_rows(q_len, fused):
         want = paged_attention_ref(c.q, c.kv_cache, c.layer, meta, sm_scale=0.3)
         torch.testing.assert_close(got.float(), want.float(), **tol(c.q.dtype))
         assert torch.count_nonzero(want[2 * q_len:]) == 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_per_row_query_lengths_at_a_fixed_stride(causal, splits):
+    """A captured plan's layout: every sequence owns Q rows, ``query_lens`` says how many of
+    them are queries. Those rows equal a plan packing only the real queries (kernel and
+    reference); the rest are not written by the kernel and are never read (block mode's own
+    K/V included)."""
+    import dataclasses
+    Q, P, hkv, group, d = 4, 4, 2, 2, 32
+    seq_ctx, qlens = [9, 14, 5], [4, 1, 3]
+    g = torch.Generator().manual_seed(11)
+    pages = 16
+    kv = torch.randn(pages, 1, 2, hkv, P, d, generator=g)
+    bt = torch.randperm(pages, generator=g)[:12].view(3, 4).to(torch.int32)
+    q = torch.randn(3 * Q, hkv * group, d, generator=g)
+    bk, bv = torch.randn(3 * Q, hkv, d, generator=g), torch.randn(3 * Q, hkv, d, generator=g)
+    rows = [s * Q + i for s, n in enumerate(qlens) for i in range(n)]
+    sl = [c + (n if causal else 0) for c, n in zip(seq_ctx, qlens)]
+    dense = plan_attention(bt, sl, qlens, page_size=P, causal=causal, num_splits=splits,
+                           num_kv_heads=hkv)
+    strided = plan_attention(bt, sl, [Q] * 3, page_size=P, causal=causal, num_splits=splits,
+                             num_kv_heads=hkv)
+    strided = dataclasses.replace(strided, tokens_per_split=dense.tokens_per_split,
+                                  query_lens=torch.tensor(qlens, dtype=torch.int32))
+    blk = (bk, bv) if not causal else None
+    blk_dense = (bk[rows], bv[rows]) if not causal else None
+    want = paged_attention_ref(q[rows], kv, 0, dense, sm_scale=0.3, block_kv=blk_dense)
+    ref = paged_attention_ref(q, kv, 0, strided, sm_scale=0.3, block_kv=blk)
+    got = paged_attention_triton(q, kv, 0, strided, sm_scale=0.3, block_kv=blk)
+    torch.testing.assert_close(ref[rows], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[rows], want, atol=1e-4, rtol=1e-4)
+    # poisoning the rows past each block changes none of the real rows
+    junk = [r for r in range(3 * Q) if r not in rows]
+    q2 = q.clone()
+    q2[junk] = float("nan")
+    if blk is not None:
+        blk = (bk.clone().index_fill_(0, torch.tensor(junk), float("nan")),
+               bv.clone().index_fill_(0, torch.tensor(junk), float("nan")))
+    got2 = paged_attention_triton(q2, kv, 0, strided, sm_scale=0.3, block_kv=blk)
+    assert torch.equal(got2[rows], got[rows])

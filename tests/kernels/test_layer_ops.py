@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstrata.kernels.kv_write import write_kv_ref
 from kvstrata.kernels.layer_ops import (add_rms_norm, add_rms_norm_ref, head_norm_rope,
-                                        head_norm_rope_ref, silu_mul, silu_mul_ref)
+                                        head_norm_rope_ref, qkv_norm_rope, qkv_norm_rope_ref,
+                                        silu_mul, silu_mul_merged, silu_mul_ref)
 from kvstrata.nn.layers import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -86,3 +88,91 @@ def test_cuda_kernels_round_like_torch():
     a = torch.randn(33, 12288, generator=g, device="cuda").to(dt)
     torch.testing.assert_close(silu_mul(a, x.repeat(1, 3)), silu_mul_ref(a, x.repeat(1, 3)),
                                atol=1e-2, rtol=8e-3)
+
+
+def _qkv_case(dtype, T=4, hq=4, hkv=2, D=32, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, (hq + 2 * hkv) * D, generator=g) * 2).to(dtype)
+    qw = (torch.rand(D, generator=g) + 0.5).to(dtype)
+    kw = (torch.rand(D, generator=g) + 0.5).to(dtype)
+    cos, sin = RotaryEmbedding(D, 10000.0).cos_sin(torch.tensor([0, 5, 17, 300])[:T])
+    return qkv, qw, kw, cos, sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qkv_norm_rope_equals_the_separate_kernels(dtype):
+    """One launch for q and k of a merged projection: bit for bit the head_norm_rope kernel of
+    each part (same rounding steps), v a view of the input."""
+    T, hq, hkv, D = 4, 4, 2, 32
+    qkv, qw, kw, cos, sin = _qkv_case(dtype)
+    q, k, v = qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, impl="triton")
+    parts = qkv.split([hq * D, hkv * D, hkv * D], -1)
+    assert torch.equal(q, head_norm_rope(parts[0].reshape(T, hq, D), qw, 1e-6, cos, sin,
+                                         impl="triton"))
+    assert torch.equal(k, head_norm_rope(parts[1].reshape(T, hkv, D), kw, 1e-6, cos, sin,
+                                         impl="triton"))
+    assert torch.equal(v, parts[2].reshape(T, hkv, D)) and v.data_ptr() == parts[2].data_ptr()
+    rq, rk, rv = qkv_norm_rope_ref(qkv, qw, kw, 1e-6, cos, sin, hq, hkv)
+    _close(q, rq, dtype)
+    _close(k, rk, dtype)
+    # k and v only (a drafter's context K/V): the k part of the same kernel
+    _, k2, v2 = qkv_norm_rope(qkv[:, hq * D:], None, kw, 1e-6, cos, sin, 0, hkv,
+                              impl="triton")
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_qkv_norm_rope_writes_kv_like_write_kv(impl):
+    """With a pool: K (normed, rotated) and V land where write_kv puts them, negative slots
+    are skipped, nothing else changes; q is unchanged by the write."""
+    T, hq, hkv, D, P = 4, 4, 2, 32, 4
+    qkv, qw, kw, cos, sin = _qkv_case(torch.float32)
+    pool = torch.randn(6, 3, 2, hkv, P, D)
+    want = pool.clone()
+    slots = torch.tensor([5, -1, 22, 8])
+    q, k, v = qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, kv_cache=pool, layer=1,
+                            slot_mapping=slots, impl=impl)
+    q0, k0, v0 = qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, impl=impl)
+    assert k is None and torch.equal(q, q0) and torch.equal(v, v0)
+    write_kv_ref(want, 1, k0, v0, slots)
+    assert torch.equal(pool, want)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, kv_cache=pool, layer=1,
+                      slot_mapping=slots[:2], impl=impl)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qkv_norm_rope(qkv[:, 1:], qw, kw, 1e-6, cos, sin, hq, hkv, impl=impl)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_merged_equals_silu_mul(dtype):
+    g = torch.Generator().manual_seed(4)
+    gu = (torch.randn(3, 2 * 1100, generator=g) * 4).to(dtype)
+    got = silu_mul_merged(gu, impl="triton")
+    assert torch.equal(got, silu_mul(gu[:, :1100].contiguous(), gu[:, 1100:].contiguous(),
+                                     impl="triton"))
+    _close(got, silu_mul_ref(gu[:, :1100], gu[:, 1100:]), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_qkv_norm_rope_is_the_separate_kernels_bit_for_bit():
+    """Compiled: q and k equal the head_norm_rope kernel's, and the pool holds exactly what
+    write_kv writes of them (the launch it replaces)."""
+    from kvstrata.kernels.kv_write import write_kv
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dt, T, hq, hkv, D = torch.bfloat16, 21, 32, 8, 128
+    qkv = torch.randn(T, (hq + 2 * hkv) * D, generator=g, device="cuda").to(dt)
+    qw = (torch.rand(D, generator=g, device="cuda") + 0.5).to(dt)
+    kw = (torch.rand(D, generator=g, device="cuda") + 0.5).to(dt)
+    cos, sin = RotaryEmbedding(D, 1e6).to("cuda").cos_sin(torch.arange(T, device="cuda") * 37)
+    pool = torch.zeros(8, 2, 2, hkv, 16, D, dtype=dt, device="cuda")
+    want = pool.clone()
+    slots = torch.randperm(128, device="cuda")[:T]
+    slots[3] = -1
+    q, _, v = qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, kv_cache=pool, layer=1,
+                            slot_mapping=slots)
+    qs, ks, vs = qkv.split([hq * D, hkv * D, hkv * D], -1)
+    assert torch.equal(q, head_norm_rope(qs.reshape(T, hq, D), qw, 1e-6, cos, sin))
+    k = head_norm_rope(ks.reshape(T, hkv, D), kw, 1e-6, cos, sin)
+    write_kv(want, 1, k, vs.reshape(T, hkv, D).contiguous(), slots)
+    assert torch.equal(pool, want)

@@ -230,3 +230,57 @@ def test_sharded_checkpoint_loads_same_weights(tmp_path):
     shards[0].unlink()
     with pytest.raises(CheckpointError, match="shard"):
         Qwen3Model.from_pretrained(tmp_path / "b")
+
+
+def _unmerge(model):
+    """The model with every projection its own tensor again (a copy of the same values)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj):
+                lin.weight = torch.nn.Parameter(lin.weight.detach().clone())
+    return model
+
+
+def test_merged_weights_one_copy_same_state_same_outputs(models):
+    """Loading merges q/k/v and gate/up into one matrix each: the separate parameters are views
+    of it (no second copy), the state dict and fingerprint are the unmerged model's, and the
+    outputs equal the separate products' (bit for bit on this CPU, which computes each output
+    column with the same reduction)."""
+    import copy
+    _, model, d = models
+    a, m = model.layers[0].self_attn, model.layers[0].mlp
+    base = a.q_proj.weight.untyped_storage().data_ptr()
+    assert a.k_proj.weight.untyped_storage().data_ptr() == base
+    assert a.v_proj.weight.untyped_storage().data_ptr() == base
+    assert m.up_proj.weight.untyped_storage().data_ptr() == \
+        m.gate_proj.weight.untyped_storage().data_ptr()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    assert sum(storages.values()) == params                 # one copy of every weight
+    plain = _unmerge(copy.deepcopy(model))
+    assert not plain.layers[0].self_attn._qkv.holds()       # views broken: separate products
+    assert list(plain.state_dict()) == list(model.state_dict())
+    plain._fingerprint = None
+    assert plain.fingerprint() == model.fingerprint() == Qwen3Model.from_pretrained(d).fingerprint()
+    r1, r2 = Runner(model), Runner(plain)
+    r1.pool.kv["target"].zero_()
+    r2.pool.kv["target"].zero_()
+    for i, p in enumerate(PROMPTS):
+        r1.mgr.admit(i, p)
+        r2.mgr.admit(i, p)
+    with torch.no_grad():
+        got, _ = r1.step({i: p for i, p in enumerate(PROMPTS)})
+        want, _ = r2.step({i: p for i, p in enumerate(PROMPTS)})
+        for i in got:
+            torch.testing.assert_close(got[i], want[i], atol=1e-5, rtol=1e-5)
+            assert torch.equal(got[i], want[i])
+        assert torch.equal(r1.pool.kv["target"], r2.pool.kv["target"])
+    plain.merge_weights()                                   # merges again, in place
+    assert plain.layers[0].self_attn._qkv.holds() and plain.layers[2].mlp._gate_up.holds()
+    with torch.no_grad():                                   # an edit through a view is seen
+        model.layers[0].self_attn.k_proj.weight[0, 0] += 1.0
+        assert model.layers[0].self_attn._qkv.weight[a.q_proj.out_features, 0] == \
+            model.layers[0].self_attn.k_proj.weight[0, 0]
+        model.layers[0].self_attn.k_proj.weight[0, 0] -= 1.0

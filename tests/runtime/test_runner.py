@@ -54,20 +54,22 @@ def _llm(ckpts, **kw):
     return LLM(ckpts["agree"][0], ckpts["drafter"][0], cache, **kw)
 
 
-def _decode_items(reqs, llm):
-    return [StepItem(r.rid_key, r.num_computed, llm.block_size, [r.tokens[-1]], True, r.params)
-            for r in reqs]
+def _decode_items(reqs, llm, ns=None):
+    ns = ns or [llm.block_size] * len(reqs)
+    return [StepItem(r.rid_key, r.num_computed, n, [r.tokens[-1]], True, r.params)
+            for r, n in zip(reqs, ns)]
 
 
 def _snapshot(llm):
     return {k: v.clone() for k, v in llm.pool.kv.items()}
 
 
-def _twice(llm, reqs, first, second):
-    """Reserve the block of every request, run ``first(items)`` and, on the pool as it was
-    before, ``second(items)``; returns both outputs, the K/V after ``first`` and the pool
-    before both (the pool is left as ``second`` wrote it)."""
-    items = _decode_items(reqs, llm)
+def _twice(llm, reqs, first, second, ns=None):
+    """Reserve the block (``ns``: its length per request, default full) of every request, run
+    ``first(items)`` and, on the pool as it was before, ``second(items)``; returns both
+    outputs, the K/V after ``first`` and the pool before both (the pool is left as ``second``
+    wrote it)."""
+    items = _decode_items(reqs, llm, ns)
     for r, it in zip(reqs, items):
         llm.mgr.reserve(r.rid_key, it.start + it.n)
     snap = _snapshot(llm)
@@ -113,12 +115,42 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
         assert fast == general, f"order {order}"
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
-        for r, new in zip(rs, fast):           # commit as the engine does
-            commit = ([r.tokens[-1]] + new)[:len(new)]
-            llm.mgr.commit(r.rid_key, commit)
-            r.num_computed += len(commit)
-            r.tokens.extend(new)
+        _commit(llm, rs, fast)
     assert llm.runner.stats()["decode_steps"] == 5
+
+
+def _commit(llm, rs, produced):
+    for r, new in zip(rs, produced):           # commit as the engine does
+        commit = ([r.tokens[-1]] + new)[:len(new)]
+        llm.mgr.commit(r.rid_key, commit)
+        r.num_computed += len(commit)
+        r.tokens.extend(new)
+
+
+def test_shortened_blocks_take_the_decode_path_and_equal_the_general_path(ckpts):
+    """Blocks shorter than B (a sequence's last, one at the length limit) beside full ones take
+    the decode path (per-row block lengths in its plans; rows past a block are masked): the
+    tokens and K/V of the general path, which runs each block at its own length, and never
+    more tokens than the block has rows."""
+    llm = _llm(ckpts)
+    B = llm.block_size
+    assert B >= 4
+    # the third prompt sits 2 tokens below max_seq_len: its rows past 2 lie past its pages
+    long = [(13 * i + 1) % 290 for i in range(llm.runner.max_seq_len - 2)]
+    reqs = llm.prefill(PROMPTS[:2] + [long], SamplingParams(max_tokens=40))
+    for ns in ([B, 3, 2], [1, B], [2, 3]):
+        rs = reqs[:len(ns)]
+        assert llm.runner.decode_ok(_decode_items(rs, llm, ns))
+        general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
+                                              lambda items: llm.runner.decode(items, pad_to=4),
+                                              ns=ns)
+        assert fast == general, f"blocks {ns}"
+        assert all(1 <= len(t) <= n for t, n in zip(fast, ns))
+        for g in llm.pool.kv:
+            torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
+        _commit(llm, rs, fast)
+    assert llm.runner.stats()["decode_steps"] == 3
+    assert not llm.runner.decode_ok(_decode_items(reqs[:1], llm, [B + 1]))
 
 
 def test_engine_takes_the_decode_path_and_times_only_on_request(ckpts):
@@ -173,3 +205,39 @@ def test_commit_hashes_only_new_pages(monkeypatch):
         mgr.commit("s", [i % 50])
     assert len(mgr.seqs["s"].hashes) == 203 // 4
     assert max(seen) <= 4        # never more than one page of tokens per one-token commit
+
+
+def test_drafter_merged_weights_equal_the_separate_products(ckpts):
+    """The drafter loads merged (q/k/v one matrix, gate/up one): one copy of the weights, the
+    same state dict, and block forward and context K/V equal the separate products'."""
+    import copy
+
+    from kvstrata.drafter import DFlashDrafter
+    d = DFlashDrafter.from_pretrained(ckpts["drafter"][0])
+    a = d.layers[0].self_attn
+    assert a._qkv.holds() and d.layers[0].mlp._gate_up.holds()
+    assert a.v_proj.weight.untyped_storage().data_ptr() == \
+        a.q_proj.weight.untyped_storage().data_ptr()
+    plain = copy.deepcopy(d)
+    with torch.no_grad():
+        for layer in plain.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj):
+                lin.weight = torch.nn.Parameter(lin.weight.detach().clone())
+    assert not plain.layers[0].self_attn._qkv.holds()
+    assert list(plain.state_dict()) == list(d.state_dict())
+    c = d.cfg
+    g = torch.Generator().manual_seed(0)
+    T = 2 * c.block_size
+    noise = torch.randn(T, c.hidden_size, generator=g).to(d.dtype)
+    pos = torch.arange(5, 5 + T)
+    taps = torch.randn(T, len(c.target_layer_ids) * c.hidden_size, generator=g).to(d.dtype)
+
+    def attn(layer, q, k, v):      # any function of q, k, v: the projections are compared
+        rep = q.shape[1] // k.shape[1]
+        return q + (k * v).repeat_interleave(rep, 1)
+
+    with torch.no_grad():
+        assert torch.equal(d(noise, pos, attn), plain(noise, pos, attn))
+        for (k1, v1), (k2, v2) in zip(d.context_kv(taps, pos), plain.context_kv(taps, pos)):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -24,14 +24,19 @@ def _llm(ckpts, drafter=True, dtype="bfloat16", **kw):
 
 @pytest.mark.parametrize("drafter", [True, False])
 def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
+    """Full and shortened blocks (per-row block lengths in the captured plans) alike."""
     llm = _llm(ckpts, drafter)
     run = llm.runner
     assert run.graphs and run.ladder == (1, 2, 4, 8)
+    B = llm.block_size
+    short = {1: [3, 3], 4: [B, 2, 1, B, 3]}     # step -> block lengths (others: full)
     reqs = llm.prefill(PROMPTS, SamplingParams(max_tokens=100))
     for step, sel in enumerate(([0, 1, 2, 3, 4], [4, 2], [1], [0, 1, 2, 3, 4], [3, 0, 2])):
         rs = [reqs[i] for i in sel]
-        items = [StepItem(r.rid_key, r.num_computed, llm.block_size, [r.tokens[-1]], True,
-                          r.params) for r in rs]
+        ns = [min(n, B) for n in short.get(step, [B] * len(rs))]
+        items = [StepItem(r.rid_key, r.num_computed, n, [r.tokens[-1]], True, r.params)
+                 for r, n in zip(rs, ns)]
+        assert run.decode_ok(items)
         for r, it in zip(rs, items):
             llm.mgr.reserve(r.rid_key, it.start + it.n)
         snap = {g: t.clone() for g, t in llm.pool.kv.items()}
@@ -45,6 +50,7 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
         finally:
             run.use_graphs = True
         assert graph == eager, f"step {step}"
+        assert all(1 <= len(t) <= n for t, n in zip(graph, ns))
         for g in llm.pool.kv:
             assert torch.equal(llm.pool.kv[g], kv_graph[g]), f"step {step}, group {g}"
         for r, new in zip(rs, graph):

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
+#   bash benchmarks/gpu_runner.sh [STEP ...]   steps: tests sweep b1 bench peer e2e
+# tests: the runner's CUDA test set; sweep: the batch-1 split sweep of the attention kernel;
+# b1: batch-1 steps with several min_split_tokens; bench: runner_bench (batches 1 16 64);
+# peer: the transformers peer (hf_decode_peer.py beside this repository's root, static cache +
+# compile); e2e: the shipped pair end to end. Markdown/logs go to $OUT/<step>.{md,log}.
+set -uo pipefail
+source "$(dirname "$0")/_device_env.sh"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests sweep bench peer)
+for s in "${steps[@]}"; do
+  start=$(date +%s)
+  case "$s" in
+    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/runtime/test_runner_cuda.py \
+             tests/kernels/test_layer_ops.py tests/kernels/test_kv_write.py \
+             tests/runtime/test_runner.py tests/runtime/test_qwen3.py \
+             tests/runtime/test_dflash_parity.py > "$OUT/tests.log" 2>&1 ;;
+    sweep) python3 benchmarks/runner_bench.py --sweep --sweep-contexts 8192 32768 --batches \
+             --attn-contexts --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1 ;;
+    b1) python3 benchmarks/runner_bench.py --batches 1 --steps 16 --attn-contexts 8192 \
+          --min-split ${MIN_SPLITS:-256 512 1024} --out "$OUT/b1.md" > "$OUT/b1.log" 2>&1 ;;
+    bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \
+             ${BENCH_ARGS:-} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1 ;;
+    e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \
+           --out "$OUT/e2e.md" > "$OUT/e2e.log" 2>&1 ;;
+    peer) python3 "${PEER:-hf_decode_peer.py}" 1024 8192 > "$OUT/peer.log" 2>&1 ;;
+    *) echo "unknown step $s" > "$OUT/$s.log" ;;
+  esac
+  echo "== $s: rc=$? $(( $(date +%s) - start ))s"; tail -4 "$OUT/$s.log"
+done
