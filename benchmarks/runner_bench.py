@@ -234,14 +234,13 @@ def shipped_e2e(lines: list[str], res: dict) -> None:
                 del llm
 
 
-def make_llm(target, drafter, batch, max_ctx, graphs=True, min_split=None) -> LLM:
+def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
     B = drafter.cfg.block_size if drafter is not None else 1
     cache = CacheConfig(page_size=16, max_seq_len=max_ctx + 512, max_batch_size=batch,
                         max_num_batched_tokens=max(2048, batch * B), target_codec="identity",
                         draft_codec="identity")
-    extra = {} if min_split is None else {"min_split_tokens": min_split}
     llm = LLM(target, drafter, cache, device="cuda",
-              runner=RunnerConfig(cuda_graphs=graphs, batch_sizes=(batch,), **extra))
+              runner=RunnerConfig(cuda_graphs=graphs, batch_sizes=(batch,)))
     for t in llm.pool.kv.values():
         t.normal_(0, 0.5)
     return llm
@@ -317,6 +316,7 @@ def main():
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     bw = copy_rate()
+    print(f"copy rate {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     res = {"copy_rate_Bps": bw, "rows": []}
     lines = ["| step | batch | context | graphs ms | eager ms | floor ms | graphs x floor |",
              "|---|---|---|---|---|---|---|"]
