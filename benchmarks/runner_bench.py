@@ -102,20 +102,24 @@ class Bench:
         run = self.llm.runner
         items = self.items()
         run._stage(items, len(items))
-        g = run.graphs[(name, len(items))]
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        times = []
-        for _ in range(reps + 2):
-            ev[0].record()
-            g.replay()
-            ev[1].record()
-            ev[1].synchronize()
-            times.append(ev[0].elapsed_time(ev[1]))
-        return statistics.median(times[2:])
+        return replay_ms(run.graphs[(name, len(items))], reps)
 
     def close(self):
         for k in self.keys:
             self.llm.mgr.free(k)
+
+
+def replay_ms(g: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Device time of one replay of ``g`` (CUDA events), median of ``reps`` after two."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    times = []
+    for _ in range(reps + 2):
+        ev[0].record()
+        g.replay()
+        ev[1].record()
+        ev[1].synchronize()
+        times.append(ev[0].elapsed_time(ev[1]))
+    return statistics.median(times[2:])
 
 
 def _graph_us(fn, layers: int, reps: int = 20) -> float:
@@ -125,15 +129,7 @@ def _graph_us(fn, layers: int, reps: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(reps + 2):
-        ev[0].record()
-        g.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / layers)
-    return statistics.median(ts[2:])
+    return replay_ms(g, reps) * 1e3 / layers
 
 
 def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
