@@ -90,9 +90,10 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_head(x_ptr, w_ptr, cos_ptr, sin_ptr, t, eps, s_c, s_s,
-                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, dt: tl.constexpr):
-        """One head's RMSNorm then rotate-half RoPE, each product rounded as torch rounds it
-        (``dt``: the activation dtype). Returns both halves in ``dt``."""
+                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+        """One head's RMSNorm then rotate-half RoPE, each product rounded as torch rounds it in
+        the activation dtype (``x_ptr``'s). Returns both halves in that dtype."""
+        dt = x_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
         x1 = tl.load(x_ptr + i).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i).to(tl.float32)
@@ -117,7 +118,7 @@ if triton is not None:
         h = tl.program_id(1).to(tl.int64)
         i = tl.arange(0, HALF)
         o1, o2 = _norm_rope_head(x_ptr + t * s_xt + h * s_xh, w_ptr, cos_ptr, sin_ptr, t, eps,
-                                 s_c, s_s, HEAD_DIM, HALF, out_ptr.dtype.element_ty)
+                                 s_c, s_s, HEAD_DIM, HALF)
         ob = out_ptr + t * s_ot + h * s_oh
         tl.store(ob + i, o1)
         tl.store(ob + HALF + i, o2)
@@ -132,19 +133,18 @@ if triton is not None:
         # writing, v head j too (v is copied as it is).
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
-        dt = q_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
         row = x_ptr + t * s_xt
         if h < NQ:
             o1, o2 = _norm_rope_head(row + h * HEAD_DIM, qw_ptr, cos_ptr, sin_ptr, t, eps, s_c,
-                                     s_s, HEAD_DIM, HALF, dt)
+                                     s_s, HEAD_DIM, HALF)
             ob = q_ptr + t * s_qt + h * HEAD_DIM
             tl.store(ob + i, o1)
             tl.store(ob + HALF + i, o2)
         else:
             j = (h - NQ).to(tl.int64)
             o1, o2 = _norm_rope_head(row + (NQ + j) * HEAD_DIM, kw_ptr, cos_ptr, sin_ptr, t,
-                                     eps, s_c, s_s, HEAD_DIM, HALF, dt)
+                                     eps, s_c, s_s, HEAD_DIM, HALF)
             if WRITE:
                 slot = tl.load(slot_ptr + t).to(tl.int64)
                 if slot >= 0:          # negative slot = padding token, skipped
