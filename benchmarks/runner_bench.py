@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -158,8 +159,9 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
 def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36) -> list[dict]:
     """Batch-1 causal attention of ``q_len`` queries (decode 1, verify 16) over ``ctx`` tokens,
     36 layers in one graph, per layer: every split count (``tokens_per_split = ctx / splits``)
-    x KV tile (BLOCK_N) x grid as the runner builds it (64 split programs, the step's split
-    length read from device memory, the idle ones exit) or exactly ``splits`` wide."""
+    x KV tile (BLOCK_N) x pipeline stages x grid as the runner builds it (64 split programs,
+    the step's split length read from device memory, the idle ones exit) or exactly
+    ``splits`` wide."""
     import dataclasses
     from kvstrata.kernels import attention_triton as at
     from kvstrata.kernels.attention_plan import plan_attention
@@ -172,26 +174,23 @@ def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36) -> list[dict]
     for splits in (4, 8, 16, 32, 64):
         per = -(-ctx // splits)
         per = -(-per // 128) * 128
-        for block_n in (32, 64):
-            for grid in ("exact", "runner"):
-                base = plan_attention(bt, [ctx], [q_len], page_size=16, num_kv_heads=8,
-                                      num_splits=splits if grid == "exact" else 64)
-                if grid == "exact":
-                    meta = dataclasses.replace(base, tokens_per_split=per)
-                else:
-                    dev = torch.tensor([per], dtype=torch.int64, device="cuda")
-                    meta = dataclasses.replace(base, tokens_per_split=per, split_tokens=dev)
+        for block_n, stages, grid in itertools.product((32, 64), (2, 3), ("exact", "runner")):
+            base = plan_attention(bt, [ctx], [q_len], page_size=16, num_kv_heads=8,
+                                  num_splits=splits if grid == "exact" else 64)
+            dev = (torch.tensor([per], dtype=torch.int64, device="cuda") if grid == "runner"
+                   else None)
+            meta = dataclasses.replace(base, tokens_per_split=per, split_tokens=dev)
+            cfg = dict(BLOCK_N=block_n, num_stages=stages)
 
-                def fn():
-                    for layer in range(layers):
-                        at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088,
-                                                  config=dict(BLOCK_N=block_n))
-                us = _graph_us(fn, layers)
-                rows.append(dict(ctx=ctx, q=q_len, splits=splits, tokens_per_split=per,
-                                 block_n=block_n, grid=grid, us=us, floor_us=floor))
-                print(f"sweep ctx {ctx} q {q_len} splits {splits:2d} ({per:5d} tok) BLOCK_N "
-                      f"{block_n} grid {grid:6s}: {us:6.1f} us/layer, x floor {us / floor:.2f}",
-                      flush=True)
+            def fn():
+                for layer in range(layers):
+                    at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
+            us = _graph_us(fn, layers)
+            rows.append(dict(ctx=ctx, q=q_len, splits=splits, tokens_per_split=per,
+                             block_n=block_n, stages=stages, grid=grid, us=us, floor_us=floor))
+            print(f"sweep ctx {ctx} q {q_len} splits {splits:2d} ({per:5d} tok) BLOCK_N "
+                  f"{block_n} stages {stages} grid {grid:6s}: {us:6.1f} us/layer, x floor "
+                  f"{us / floor:.2f}", flush=True)
     del kv
     return rows
 
@@ -332,9 +331,17 @@ def main():
               f"split+merge {a['split_merge_us']:.1f} us per layer, floor {a['floor_us']:.1f} us "
               f"(fused x floor {a['fused_us'] / a['floor_us']:.2f})", flush=True)
     if args.sweep:
+        lines += ["", "| sweep ctx | q | splits | tokens/split | BLOCK_N | stages | grid | "
+                  "us/layer | x floor |", "|---|---|---|---|---|---|---|---|---|"]
         for ctx in args.sweep_contexts:
             for q_len in (1, 16):
-                res.setdefault("split_sweep", []).extend(split_sweep(ctx, q_len, bw))
+                for r in split_sweep(ctx, q_len, bw):
+                    res.setdefault("split_sweep", []).append(r)
+                    lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
+                                 f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
+                                 f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
+        lines += ["", "| step | batch | context | graphs ms | eager ms | floor ms | "
+                  "graphs x floor |", "|---|---|---|---|---|---|---|"]
     if args.batches:
         engine_steps(args, bw, row)
     if args.e2e:
