@@ -313,8 +313,7 @@ def main():
     bw = copy_rate()
     print(f"copy rate {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     res = {"copy_rate_Bps": bw, "rows": []}
-    lines = ["| step | batch | context | graphs ms | eager ms | floor ms | graphs x floor |",
-             "|---|---|---|---|---|---|---|"]
+    lines: list[str] = []
 
     def row(name, b, ctx, ms, eager, floor):
         res["rows"].append(dict(step=name, batch=b, ctx=ctx, ms=ms, eager_ms=eager,
@@ -340,9 +339,10 @@ def main():
                     lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
                                  f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
                                  f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
+
+    if args.batches:
         lines += ["", "| step | batch | context | graphs ms | eager ms | floor ms | "
                   "graphs x floor |", "|---|---|---|---|---|---|---|"]
-    if args.batches:
         engine_steps(args, bw, row)
     if args.e2e:
         shipped_e2e(lines, res)

@@ -244,5 +244,5 @@ class AttentionProjections(nn.Module):
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
-__all__ = ["AttentionProjections", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP", "apply_rotary",
-           "merged", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["AttentionProjections", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP",
+           "apply_rotary", "merged", "rms_norm", "rope_cos_sin", "rope_inv_freq"]

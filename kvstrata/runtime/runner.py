@@ -14,11 +14,12 @@ Two paths:
   rejected rows are masked to -1) and leaves ``[tokens..., count]`` per row in a device buffer.
   Rows sit at a fixed stride of ``B``; a shortened block (a sequence's last, or one at the
   length limit) uses its first ``n`` rows (the plans carry per-row query lengths), the rest
-  are masked: slot -1, never attended to, never accepted. With CUDA graphs on, the batch is padded to
-  the next size of a ladder and two graphs per size are replayed (draft, verify); padding rows
-  carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
-  ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
-- **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager forward (:class:`~.general.GeneralPath`, in its own module).
+  are masked: slot -1, never attended to, never accepted. With CUDA graphs on, the batch is
+  padded to the next size of a ladder and two graphs per size are replayed (draft, verify);
+  padding rows carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs
+  off, or the ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
+- **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager
+  forward (:class:`~.general.GeneralPath`, in its own module).
 
 Graph replay runs the same kernels with the same launch parameters on the same buffers as the
 eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
