@@ -54,6 +54,22 @@ def copy_rate() -> float:
     return bw
 
 
+def matmul_rate() -> float:
+    """bf16 matrix-product rate (FLOP/s) of an 8192^3 product on random data, mean of 10."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    rate = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+    del a, b
+    return rate
+
+
 def nbytes(m, skip=()) -> int:
     return sum(p.numel() * p.element_size() for n, p in m.named_parameters()
                if not any(n.startswith(s) for s in skip))
@@ -241,7 +257,7 @@ def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
     return llm
 
 
-def engine_steps(args, bw: float, row) -> None:
+def engine_steps(args, bw: float, flops: float, row) -> None:
     """Plain and speculative engine steps of the 8B-shaped pair, each batch and context."""
     p = PRESETS["8b"]
     target, drafter = build_models(p, "cuda", torch.bfloat16, target_layers=args.target_layers)
@@ -267,18 +283,22 @@ def engine_steps(args, bw: float, row) -> None:
                 bench = Bench(llm, b, ctx, mode)
                 kv = b * ctx * (kv_t + (kv_d if d is not None else 0))
                 floor = ((w_t + (w_d + w_head if d is not None else 0) + kv) / bw) * 1e3
+                # linear layers only: verify rows x target, draft rows x (drafter + head)
+                B = llm.block_size if d is not None else 1
+                mm = 2 * b * B * (w_t + (w_d + w_head if d is not None else 0)) / 2
+                compute = mm / flops * 1e3
                 ms = bench.step_ms(args.steps)
                 llm.runner.use_graphs = False
                 eager = bench.step_ms(max(3, args.steps // 5))
                 llm.runner.use_graphs = True
                 name = f"{mode} decode step" if d is None else "speculative step"
-                row(name, b, ctx, ms, eager, floor)
+                row(name, b, ctx, ms, eager, floor, compute)
                 if b == 1:
                     default = llm.runner.min_split_tokens
                     for m in args.min_split:
                         llm.runner.min_split_tokens = m
                         row(f"{name}, min split {m}", b, ctx, bench.step_ms(args.steps), None,
-                            floor)
+                            floor, compute)
                     llm.runner.min_split_tokens = default
                 if d is not None and b == 1:
                     fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
@@ -315,12 +335,13 @@ def main():
     res = {"copy_rate_Bps": bw, "rows": []}
     lines: list[str] = []
 
-    def row(name, b, ctx, ms, eager, floor):
+    def row(name, b, ctx, ms, eager, floor, compute=None):
         res["rows"].append(dict(step=name, batch=b, ctx=ctx, ms=ms, eager_ms=eager,
-                                floor_ms=floor))
+                                floor_ms=floor, compute_ms=compute))
         e = f"{eager:.2f}" if eager is not None else "-"
+        c = f"{compute:.2f}" if compute is not None else "-"
         lines.append(f"| {name} | {b} | {ctx} | {ms:.2f} | {e} | {floor:.2f} | "
-                     f"{ms / floor:.2f} |")
+                     f"{ms / floor:.2f} | {c} |")
         print(lines[-1], flush=True)
 
     for ctx in args.attn_contexts:
@@ -341,9 +362,13 @@ def main():
                                  f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
 
     if args.batches:
-        lines += ["", "| step | batch | context | graphs ms | eager ms | floor ms | "
-                  "graphs x floor |", "|---|---|---|---|---|---|---|"]
-        engine_steps(args, bw, row)
+        flops = matmul_rate()
+        res["matmul_flops"] = flops
+        print(f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+        lines += ["", f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random)", "",
+                  "| step | batch | context | graphs ms | eager ms | floor ms | graphs x floor | "
+                  "matmul floor ms |", "|---|---|---|---|---|---|---|---|"]
+        engine_steps(args, bw, flops, row)
     if args.e2e:
         shipped_e2e(lines, res)
     lines.append("")
