@@ -500,7 +500,7 @@ class TierManager:
         out["host_bytes"] = hs["stored_bytes"]
         out["host_capacity_bytes"] = hs["capacity_bytes"]
         if isinstance(self.disk, DiskTier):
-            d = self.disk.stats
+            d = self.disk.counters()
             out.update({"disk_pages": len(self.disk), "disk_bytes": self.disk.stored_bytes(),
                         "disk_evictions": d["evictions"], "disk_write_errors": d["write_errors"],
                         "disk_deleted": d["deleted"]})
