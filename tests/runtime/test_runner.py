@@ -55,7 +55,7 @@ def _llm(ckpts, **kw):
 
 
 def _decode_items(reqs, llm):
-    return [StepItem(r.rid_key, r.num_computed, llm.block_size, [r.tokens[-1]], True, r.params)
+    return [StepItem(r.seq_id, r.num_computed, llm.block_size, [r.tokens[-1]], True, r.params)
             for r in reqs]
 
 
@@ -69,7 +69,7 @@ def _twice(llm, reqs, first, second):
     before both (the pool is left as ``second`` wrote it)."""
     items = _decode_items(reqs, llm)
     for r, it in zip(reqs, items):
-        llm.mgr.reserve(r.rid_key, it.start + it.n)
+        llm.mgr.reserve(r.seq_id, it.start + it.n)
     snap = _snapshot(llm)
     a = first(items)
     kv_a = _snapshot(llm)
@@ -89,7 +89,7 @@ def test_padding_rows_change_nothing(ckpts):
     assert all(1 <= len(t) <= llm.block_size for t in exact)
     # Rows the three sequences own may differ in the last bits (different matmul shapes);
     # every other page is untouched.
-    own = {p for r in reqs for p in llm.mgr.seqs[r.rid_key].page_ids}
+    own = {p for r in reqs for p in llm.mgr.seqs[r.seq_id].page_ids}
     others = [p for p in range(llm.pool.num_pages) if p not in own]
     for g in llm.pool.kv:
         assert torch.equal(llm.pool.kv[g][others], snap[g][others])
@@ -105,7 +105,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
     tokens and K/V of the packed general path on the same inputs, step by step."""
     llm = _llm(ckpts)
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=40))
-    by = {r.rid: r for r in reqs}
+    by = {r.request_id: r for r in reqs}
     for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
         rs = [by[i] for i in order]
         general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
@@ -115,7 +115,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
         for r, new in zip(rs, fast):           # commit as the engine does
             commit = ([r.tokens[-1]] + new)[:len(new)]
-            llm.mgr.commit(r.rid_key, commit)
+            llm.mgr.commit(r.seq_id, commit)
             r.num_computed += len(commit)
             r.tokens.extend(new)
     assert llm.runner.stats()["decode_steps"] == 5

@@ -30,10 +30,10 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
     reqs = llm.prefill(PROMPTS, SamplingParams(max_tokens=100))
     for step, sel in enumerate(([0, 1, 2, 3, 4], [4, 2], [1], [0, 1, 2, 3, 4], [3, 0, 2])):
         rs = [reqs[i] for i in sel]
-        items = [StepItem(r.rid_key, r.num_computed, llm.block_size, [r.tokens[-1]], True,
+        items = [StepItem(r.seq_id, r.num_computed, llm.block_size, [r.tokens[-1]], True,
                           r.params) for r in rs]
         for r, it in zip(rs, items):
-            llm.mgr.reserve(r.rid_key, it.start + it.n)
+            llm.mgr.reserve(r.seq_id, it.start + it.n)
         snap = {g: t.clone() for g, t in llm.pool.kv.items()}
         graph = run.decode(items)
         kv_graph = {g: t.clone() for g, t in llm.pool.kv.items()}
@@ -49,7 +49,7 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
             assert torch.equal(llm.pool.kv[g], kv_graph[g]), f"step {step}, group {g}"
         for r, new in zip(rs, graph):
             commit = ([r.tokens[-1]] + new)[:len(new)]
-            llm.mgr.commit(r.rid_key, commit)
+            llm.mgr.commit(r.seq_id, commit)
             r.num_computed += len(commit)
             r.tokens.extend(new)
     assert run.stats()["graph_steps"] == 5
