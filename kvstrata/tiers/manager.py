@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 
 from ..codecs import CorruptPageError, get_codec
-from ..pagepool import Namespace, PageInfo, PageKey, PagePool, PoolView
+from ..pagepool import Namespace, PageInfo, PageKey, PagePool, PoolView, namespace_differences
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
 from .protocol import Parts, Tier, leading
@@ -351,7 +351,8 @@ class TierManager:
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
-        diffs = namespace.compatible(self.namespace)
+        diffs = namespace_differences(namespace.shared_fields(), self.namespace.shared_fields(),
+                                      "the caller", "the tier manager")
         if diffs:
             raise ValueError(f"namespace differs from the tier manager's: {'; '.join(diffs)}")
 
