@@ -36,6 +36,7 @@ from kvstrata.kernels.nvfp4_triton import (DecodeLaunch, EncodeLaunch, _launch_d
                                            _launch_encode, nvfp4_decode, nvfp4_encode)
 
 from _timing import median_ms  # benchmarks/ is on sys.path when a script here runs
+from _report import emit
 
 GIB = 1 << 30
 
@@ -282,11 +283,7 @@ def main() -> None:
         lines = ["## Codecs", ""] + nvfp4_section(device, target, repeat) + [""]
     if not args.skip_lossless and not args.nvfp4_sweep:
         lines += lossless_section(args.cpu_mib, 5) + [""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
