@@ -135,8 +135,11 @@ class EngineCore:
         return plist
 
     def _stop_ids(self, sp: SamplingParams) -> frozenset:
+        """The ids that end a request: its ``stop_token_ids`` and, unless ``ignore_eos``, the
+        model's EOS ids; only those inside the vocabulary (the target never samples the rest)."""
         eos = () if sp.ignore_eos else self.eos_token_ids
-        return frozenset(sp.stop_token_ids) | frozenset(eos)
+        V = self.target.config.vocab_size
+        return frozenset(t for t in (*sp.stop_token_ids, *eos) if t < V)
 
     def _make_request(self, request_id, prompt, sp, salt) -> Request:
         if sp is None:
@@ -172,7 +175,7 @@ class EngineCore:
             gen = torch.Generator(device=self.device).manual_seed(sp.seed)
         return Request(request_id=request_id, prompt=toks, params=sp, salt=salt, generator=gen,
                        max_length=min(len(toks) + sp.max_tokens, self.max_seq_len),
-                       stop_ids=frozenset(t for t in self._stop_ids(sp) if t < V),
+                       stop_ids=self._stop_ids(sp),
                        detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
                        t_arrival=time.perf_counter())
 

@@ -282,7 +282,8 @@ class LLM(EngineCore):
             if r.state != DECODE or seq is None or seq.token_ids != r.prompt or \
                     r.num_computed != len(r.prompt) or len(r.tokens) != len(r.prompt) + 1:
                 raise ValueError(f"request {r.request_id}: resume needs a DECODE request whose "
-                                 f"sequence {r.seq_id!r} holds exactly its prompt and one pending token")
+                                 f"sequence {r.seq_id!r} holds exactly its prompt and one "
+                                 "pending token")
             # outputs are indexed locally, then renamed back
             local[i], r.request_id = r.request_id, i
             r.stop_ids = self._stop_ids(r.params)
