@@ -13,8 +13,8 @@ writer killed at any point leaves the previous committed state: bytes past a seg
 ``end`` are a torn tail, never referenced, and cut off when a writer next opens the tier.
 
 Damage to the index (a flipped page in ``data.mdb``, a bad meta or root page, a truncated or
-deleted file): a read that meets it is a counted miss (``counters()["index_errors"]``, logged once),
-never an exception; the writer then rebuilds the index from the segments before its next
+deleted file): a read that meets it is a counted miss (``counters()["index_errors"]``, logged
+once), never an exception; the writer then rebuilds the index from the segments before its next
 operation. At open, the writer checks the file's meta and root pages and its size before mapping
 it (LMDB would raise SIGBUS through the map of a truncated file), walks the whole index in a child
 process after an unclean shutdown (LMDB aborts on some damage; a dead child only tells us), and
@@ -116,10 +116,10 @@ class DiskTier:
         # The tier's own counters (its parts add to them), read through counters() with the
         # Tier protocol's (self._tier).
         self._counts = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
-                      "deleted": 0, "orphans": 0, "segments_created": 0, "segments_deleted": 0,
-                      "compactions": 0, "moved_records": 0, "moved_bytes": 0,
-                      "relocated": 0, "index_errors": 0, "rebuilds": 0, "rebuilt_records": 0,
-                      "moved_aside": 0}
+                        "deleted": 0, "orphans": 0, "segments_created": 0, "segments_deleted": 0,
+                        "compactions": 0, "moved_records": 0, "moved_bytes": 0,
+                        "relocated": 0, "index_errors": 0, "rebuilds": 0, "rebuilt_records": 0,
+                        "moved_aside": 0}
         self._burst_errors = 0
         #: test hook: called inside every write transaction before commit (fault injection)
         self.before_commit: Callable[[], None] | None = None

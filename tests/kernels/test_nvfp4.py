@@ -1,6 +1,8 @@
 """NVFP4 kernels: Triton (through the interpreter) against the torch reference, and the element /
 scale rounding against independent oracles (ml_dtypes' float4_e2m1fn, torch's float8_e4m3fn)."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -285,6 +287,19 @@ def test_layout_and_bad_shapes():
     payload, _ = nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 1, 16))
     with pytest.raises(ValueError, match="uint8"):
         nvfp4_decode_ref(payload[:, :-1], torch.zeros(1, 1, 2, 1, 1, 16))
+
+
+@pytest.mark.parametrize("cls, kw, msg", [
+    (EncodeLaunch, dict(block_r=3), "EncodeLaunch.block_r must be a power of two or None, got 3"),
+    (EncodeLaunch, dict(num_warps=0), "EncodeLaunch.num_warps must be a power of two, got 0"),
+    (EncodeLaunch, dict(persistent=-1), "EncodeLaunch.persistent must be an integer >= 0"),
+    (EncodeLaunch, dict(stages=True), "EncodeLaunch.stages must be an integer >= 1, got True"),
+    (DecodeLaunch, dict(block_r=None), "DecodeLaunch.block_r must be a power of two, got None"),
+    (DecodeLaunch, dict(words_per_thread=6), "DecodeLaunch.words_per_thread must be a power of two"),
+])
+def test_bad_launch_is_refused_naming_the_field(cls, kw, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        cls(**kw)
 
 
 def test_e2m1_grid_matches_ml_dtypes_on_every_rounding():
