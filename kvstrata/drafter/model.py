@@ -92,7 +92,7 @@ class DFlashDrafter(nn.Module):
                              f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}")
         model.to(device=device, dtype=dt).eval()
         model.requires_grad_(False)
-        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(repr(cfg)), state)
+        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(cfg.fingerprint_text()), state)
         return model
 
     @property
