@@ -30,9 +30,13 @@ import triton
 
 from kvstrata.codecs import CompressionReport, compression_report, synthetic_kv
 from kvstrata.kernels.nvfp4 import nvfp4_decode_ref, nvfp4_encode_ref, nvfp4_layout
-from kvstrata.kernels.nvfp4_triton import nvfp4_decode, nvfp4_encode
+# the variants' launchers: the library always launches the default (benchmarked here against the
+# others)
+from kvstrata.kernels.nvfp4_triton import (DecodeLaunch, EncodeLaunch, _launch_decode,
+                                           _launch_encode, nvfp4_decode, nvfp4_encode)
 
 from _timing import median_ms  # benchmarks/ is on sys.path when a script here runs
+from _report import emit
 
 GIB = 1 << 30
 
@@ -81,12 +85,8 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
         payload, _ = nvfp4_encode(pages)
         for op, sweep in (("encode", enc_sweep), ("decode", dec_sweep)):
             for cfg, kw in sweep:
-                if op == "encode":
-                    ms = median_ms(lambda: nvfp4_encode(pages, **kw), device, repeat,
-                                   device_only=cuda)
-                else:
-                    ms = median_ms(lambda: nvfp4_decode(payload, out, **kw), device, repeat,
-                                   device_only=cuda)
+                ms = median_ms(_variant(op, kw, pages, payload, out), device, repeat,
+                               device_only=cuda)
                 row(op, "triton", cfg, ms, raw + packed)
                 if op not in best or ms < best[op][1]:
                     best[op] = (cfg, ms)
@@ -143,6 +143,16 @@ def nvfp4_section(device: torch.device, target_bytes: int, repeat: int) -> list[
     return lines
 
 
+def _variant(op: str, kw: dict, pages: torch.Tensor, payload: torch.Tensor, out: torch.Tensor):
+    """One encode / decode launch variant (``kw``: its :class:`EncodeLaunch` /
+    :class:`DecodeLaunch` fields) as a callable; the library always launches the defaults."""
+    if op == "encode":
+        enc = EncodeLaunch(**kw)
+        return lambda: _launch_encode(pages, None, enc)
+    dec = DecodeLaunch(**kw)
+    return lambda: _launch_decode(payload, out, None, dec)
+
+
 def _sweep_grids(cuda: bool) -> tuple[list[dict], list[dict]]:
     """Encode / decode knob combinations of ``--nvfp4-sweep`` (the first of each: the defaults)."""
     if not cuda:  # interpreter smoke test: a few small tiles
@@ -197,12 +207,11 @@ def nvfp4_sweep(device: torch.device, target_bytes: int, repeat: int) -> list[st
         for kw in grid:
             label = ", ".join(f"{a}={b}" for a, b in kw.items()) or "default"
             try:
+                fn = _variant(op, kw, pages, payload, out)
                 if op == "encode":
-                    fn = lambda: nvfp4_encode(pages, **kw)  # noqa: E731
                     got, got_ok = fn()
                     same = torch.equal(got, payload) and torch.equal(got_ok, ok)
                 else:
-                    fn = lambda: nvfp4_decode(payload, out, **kw)  # noqa: E731
                     same = torch.equal(fn().view(torch.int16), out_ref.view(torch.int16))
                 ms = median_ms(fn, device, repeat, device_only=cuda)
             except Exception as e:  # a variant that fails is reported, the sweep goes on
@@ -274,11 +283,7 @@ def main() -> None:
         lines = ["## Codecs", ""] + nvfp4_section(device, target, repeat) + [""]
     if not args.skip_lossless and not args.nvfp4_sweep:
         lines += lossless_section(args.cpu_mib, 5) + [""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

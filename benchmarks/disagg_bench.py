@@ -28,7 +28,6 @@ import argparse
 import datetime
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -291,28 +290,16 @@ def main() -> int:
                         ("prompt_len", 128, 64), ("max_tokens", 64, 32)):
         if getattr(a, k) is None:
             setattr(a, k, gpu if cuda else cpu)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from kvstrata.runtime.disagg.launcher import collect_reports
+    from kvstrata.testing.redis import free_port
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     procs = [ctx.Process(target=_worker, args=(r, a, port, q)) for r in (0, 1)]
     t0 = time.time()
     for p in procs:
         p.start()
-    res = {}
-    while len(res) < 2:
-        if not q.empty():
-            r = q.get()
-            res[r["rank"]] = r
-        elif any(p.exitcode not in (None, 0) for p in procs):
-            break
-        else:
-            time.sleep(0.05)
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
+    res = {r["rank"]: r for r in collect_reports(q, procs)}
     errs = [r["error"] for r in res.values() if "error" in r]
     if errs or len(res) < 2:
         print("\n".join(errs) or "a worker died without reporting", file=sys.stderr)

@@ -33,6 +33,8 @@ from kvstrata.pagepool.pool import PagePool
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 from kvstrata.runtime.qwen3 import Qwen3Config, Qwen3Model
 
+from _report import emit  # benchmarks/ is on sys.path when a script here runs
+
 PRESETS = {
     # hidden, heads, kv heads, head_dim, intermediate, vocab, target layers, draft layers
     "tiny": dict(hidden=64, heads=4, kv=2, hd=16, inter=128, vocab=300, tl=4, dl=2, block=4),
@@ -203,11 +205,7 @@ def main(argv=None) -> int:
                   f"layers x hidden {p['hidden']}, drafter {p['dl']} layers, block {p['block']}, "
                   f"vocab {p['vocab']}, page 16; median of {args.iters})", ""]
         lines += step_times(args, dtype) + [""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

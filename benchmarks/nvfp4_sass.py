@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import os
 import re
@@ -110,10 +111,20 @@ def analyse(sass: str, res: str, elems_per_program: int, threads: int) -> dict:
                 hist=collections.Counter(op for _, op, _ in body))
 
 
+def launch_knobs(mod, launch_class: str, launcher) -> set[str]:
+    """The launch knobs a version of the module has: the fields of its launch dataclass, or
+    (versions before those) the launcher's keyword arguments."""
+    cls = getattr(mod, launch_class, None)
+    if cls is not None:
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(getattr(launcher, "__kwdefaults__", None) or {})
+
+
 def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
     """(label, constexprs, num_warps, elements per program) of each encode variant."""
     out = []
-    has_asm = "asm" in getattr(mod.nvfp4_encode, "__kwdefaults__", {})
+    knobs = launch_knobs(mod, "EncodeLaunch", mod.nvfp4_encode)
+    has_asm = "asm" in knobs
     for asm in ((True, False) if has_asm else (None,)):
         for block_r, nw in ((None, 8), (None, 4), (None, 16), (32, 4), (32, 8)):
             if has_asm:
@@ -133,7 +144,7 @@ def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
             cfg = mod._encode_lanes_config(torch.bfloat16, S, R, D, has_ids=False, words=True,
                                            asm=True)
             out.append((f"encode lanes warps={nw} asm=1", cfg, nw, R * D))
-    if has_asm and "persistent" in mod.nvfp4_encode.__kwdefaults__:  # grid-stride slab loop
+    if has_asm and "persistent" in knobs:  # grid-stride slab loop
         for nw, st in ((4, 1), (8, 1), (4, 2), (8, 2)):
             cfg = mod._encode_config(torch.bfloat16, S, R, D, None, has_ids=False, words=True,
                                      asm=True, persistent=4, stages=st)
@@ -144,7 +155,7 @@ def encode_variants(mod) -> list[tuple[str, dict, int, int]]:
 
 def decode_variants(mod) -> list[tuple[str, dict, int, int]]:
     out = []
-    has_wpt = "words_per_thread" in getattr(mod.nvfp4_decode, "__kwdefaults__", {})
+    has_wpt = "words_per_thread" in launch_knobs(mod, "DecodeLaunch", mod.nvfp4_decode)
     grid = ([(br, nw, wpt, flat) for flat in (False, True) for wpt in (1, 2, 4)
              for br, nw in ((8, 2), (16, 2), (32, 4), (64, 4), (32, 8))] if has_wpt
             else [(br, nw, 1, False) for br, nw in ((8, 2), (16, 2), (32, 4), (64, 4))])

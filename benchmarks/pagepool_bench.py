@@ -16,6 +16,8 @@ import torch
 
 from kvstrata.pagepool import KVCacheManager, KVGroupSpec, Namespace, PagePool, page_hashes
 
+from _report import emit  # benchmarks/ is on sys.path when a script here runs
+
 
 def median_time(fn, repeat: int) -> float:
     ts = []
@@ -93,11 +95,7 @@ def main() -> None:
     cond = (f"Conditions: CPU `{platform.processor() or platform.machine()}`, Python "
             f"{platform.python_version()}, torch {torch.__version__}, single thread, median of "
             f"{args.repeat} runs; BLAKE2b-128 over little-endian int64 token ids; page size {P}.")
-    md = "\n".join(lines) + "\n\n" + cond + "\n"
-    print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
+    emit("\n".join(lines) + "\n\n" + cond, args.out)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ def crc_files(files) -> None:
 def rebuild(path: Path, n: int) -> None:
     os.unlink(path / "data.mdb")
     with DiskTier(path, map_size=1 << 30, capacity_bytes=1 << 40) as d:
-        if d.stats["rebuilt_records"] != n:
-            raise RuntimeError(f"the rebuild kept {d.stats['rebuilt_records']} of {n} records")
+        if d.counters()["rebuilt_records"] != n:
+            raise RuntimeError(f"the rebuild kept {d.counters()['rebuilt_records']} of {n} records")
 
 
 def main(argv=None) -> int:

@@ -44,6 +44,8 @@ from kvstrata.tiers import TierManager  # noqa: E402
 from kvstrata.tiers.record import build_record, verify_record  # noqa: E402
 from kvstrata.tiers.remote import RemoteTier  # noqa: E402
 
+from _report import emit  # noqa: E402  (benchmarks/ is on sys.path when a script here runs)
+
 P = 16
 
 
@@ -203,10 +205,7 @@ def main() -> None:
     lines.append(f"Lookup of a 32k-token prefix ({lk['pages']} pages, all remote, host empty): "
                  f"TierManager.lookup_prefix {lk['lookup_ms']:.1f} ms, RemoteTier.exists alone "
                  f"{lk['exists_ms']:.1f} ms (one pipeline of {lk['pages']} EXISTS).")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from _report import emit  # benchmarks/ is on sys.path when a script here runs
+
+from kvstrata.testing.redis import free_port
 
 MODEL = "kvstrata-tiny-py"
 QUESTIONS = ["path", "name", "size", "mode", "user", "home", "port", "host", "root", "lang",
@@ -64,17 +67,11 @@ def _by_tier(counts: dict[str, float]) -> str:
     return ", ".join(f"{int(v)} {t}" for t, v in counts.items() if v) or "0"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     device = "cpu"
 
     def __init__(self, args: list[str], threads: int, workdir: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(workdir / f"server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
@@ -317,10 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {r['case']} | {r['requests']} | {r['ttft_p50_ms']:.1f} | "
                          f"{r['ttft_max_ms']:.1f} | {_by_tier(r['cached_tokens'])} | "
                          f"{r['promoted']:.0f} |")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

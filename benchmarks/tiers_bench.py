@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _timing import median_ms  # noqa: E402  (benchmarks/ is on sys.path when a script here runs)
+from _report import emit  # noqa: E402
 
 from kvstrata.codecs import get_codec  # noqa: E402
 from kvstrata.pagepool import KVGroupSpec, Namespace, PageInfo, PagePool, hash_page  # noqa: E402
@@ -286,11 +287,7 @@ def main(argv=None) -> int:
                   f"| bare pwritev of the same payloads (floor) | {d['floor_write']:.2f} | "
                   f"{d['file_write']:.2f} | {100 * d['floor_write'] / d['file_write']:.0f}% |", "",
                   "Goal: >= 80% of the plain file in both directions.", ""]
-    md = "\n".join(lines)
-    print(md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(md + "\n")
+    emit("\n".join(lines), args.out)
     return 0
 
 

@@ -357,8 +357,7 @@ def render_sweep_markdown(result: dict) -> str:
     """One row per prompt length and scenario: cold AL, then warm AL and ratio per tier."""
     c = result["conditions"]
     lines = [
-        f"Conditions: `{c['model']}` on {c['device']} ({c['machine']}, {c['threads']} threads), "
-        f"{c['dtype']}, torch {c['torch']}; {c['n_prompts']} held-out prompts per length (seed "
+        f"{_machine(c)}; {c['n_prompts']} held-out prompts per length (seed "
         f"{c['seed']}), {c['max_tokens']} new tokens, page size {c['page_size']}; whole sweep "
         f"{c['total_s']:.1f} s. AL / cold in parentheses; TTFT = mean admission -> first token "
         f"of the pass (cold = the whole prompt recomputed).",
@@ -374,8 +373,7 @@ def render_sweep_markdown(result: dict) -> str:
             if p["kind"] == "cold":
                 cold = p
                 continue
-            codecs = (f"{p['target_codec']} / {p['draft_codec']}" if p["scenario"] in TIER_CODECS
-                      else "-")
+            codecs = _codecs(p, "-")
             lines.append(
                 f"| {n} | {p['scenario']} | {p['backend']} | {codecs} | {cold['mean_al']:.3f} | "
                 f"{cold['early_al']:.3f} | {p['source']} | {p['mean_al']:.3f} "
@@ -383,6 +381,20 @@ def render_sweep_markdown(result: dict) -> str:
                 f"{p['early_al']:.3f} | {_same(p)} | "
                 f"{cold['ttft_s'] * 1e3:.1f} | {p['ttft_s'] * 1e3:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def _machine(c: dict) -> str:
+    """The head of a result's conditions: model, device, machine, threads, dtype, torch."""
+    return (f"Conditions: `{c['model']}` on {c['device']} ({c['machine']}, {c['threads']} "
+            f"threads), {c['dtype']}, torch {c['torch']}")
+
+
+def _codecs(p: dict, device_only: str) -> str:
+    """A pass's codecs (target / draft), or ``device_only`` for a scenario whose pages never
+    leave the device pool (codecs only act on pages that do)."""
+    if p["scenario"] in TIER_CODECS:
+        return f"{p['target_codec']} / {p['draft_codec']}"
+    return device_only
 
 
 def _same(p: dict) -> str:
@@ -397,8 +409,7 @@ def render_markdown(result: dict) -> str:
     """The suite's result as a markdown table (one row per pass) with its conditions."""
     c = result["conditions"]
     lines = [
-        f"Conditions: `{c['model']}` on {c['device']} ({c['machine']}, {c['threads']} threads), "
-        f"{c['dtype']}, torch {c['torch']}; {c['n_prompts']} held-out prompts x "
+        f"{_machine(c)}; {c['n_prompts']} held-out prompts x "
         f"{c['prompt_len']} tokens (seed {c['seed']}), {c['max_tokens']} new tokens, page size "
         f"{c['page_size']}, max_seq_len {c['max_seq_len']}; whole suite {c['total_s']:.1f} s.",
         "",
@@ -411,9 +422,7 @@ def render_markdown(result: dict) -> str:
         ratio = "-" if p["al_ratio"] is None else f"{p['al_ratio']:.3f}"
         goal = "-" if p["goal"] is None else (f">= {p['goal']:.2f} "
                                                f"{'met' if p['met'] else '**missed**'}")
-        # Codecs only act when pages leave the device pool.
-        codecs = (f"{p['target_codec']} / {p['draft_codec']}" if p["scenario"] in TIER_CODECS
-                  else "n/a (device)")
+        codecs = _codecs(p, "n/a (device)")
         ru = p["reused"]
         lines.append(
             f"| {p['scenario']} | {p['kind']} | {p['source']} | {p['backend']} | {codecs} | "

@@ -319,7 +319,7 @@ def _cmd_repair(args, console) -> int:
         failures = _verify(rows, bad)
         removed = disk.delete([bytes.fromhex(f["hash"]) for f in failures])
         doc = {"path": args.path, "index": "rebuilt" if problem else "sound",
-               "index_problem": problem, "moved_aside": bool(disk.stats["moved_aside"]),
+               "index_problem": problem, "moved_aside": bool(disk.counters()["moved_aside"]),
                "pages": len(disk), "removed_bad_pages": removed}
     if args.json:
         print(json.dumps(doc))

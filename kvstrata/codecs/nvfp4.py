@@ -34,13 +34,10 @@ class NVFP4Codec(Codec):
     version = 1
     lossless = False
 
-    def __init__(self, backend: Backend = "auto", block_r: int | None = None,
-                 num_warps: int | None = None) -> None:
+    def __init__(self, backend: Backend = "auto") -> None:
         if backend not in ("auto", "triton", "torch"):
             raise ValueError(f"nvfp4 backend must be 'auto', 'triton' or 'torch', got {backend!r}")
         self.backend = backend
-        self.block_r = block_r
-        self.num_warps = num_warps
 
     def _use_triton(self, device: torch.device) -> bool:
         return self.backend == "triton" or (self.backend == "auto" and device.type == "cuda")
@@ -73,8 +70,7 @@ class NVFP4Codec(Codec):
             raise ValueError(f"errors must be 'raise' or 'skip', got {errors!r}")
         dt = canonical_dtype(pages.dtype)
         fn = nvfp4_encode if self._use_triton(pages.device) else nvfp4_encode_ref
-        kw = self._tuning() if fn is nvfp4_encode else {}
-        payload, finite = fn(pages, page_ids, **kw)
+        payload, finite = fn(pages, page_ids)
         bad = (~finite).nonzero().flatten().tolist()  # one sync: the caller must know now
         if bad and errors == "raise":
             err = UnencodablePageError(
@@ -109,7 +105,7 @@ class NVFP4Codec(Codec):
         """Encode ``pool[page_ids]`` into ``rows`` (strided rows welcome) without a device sync;
         returns the refusals (nonzero: NaN/Inf or too large, row meaningless)."""
         if self._use_triton(pool.device):
-            return nvfp4_encode(pool, page_ids, out=rows, raw_flags=True, **self._tuning())[1]
+            return nvfp4_encode(pool, page_ids, out=rows, raw_flags=True)[1]
         payload, ok = nvfp4_encode_ref(pool, page_ids)
         rows.copy_(payload)
         return ~ok
@@ -153,14 +149,9 @@ class NVFP4Codec(Codec):
                      ) -> None:
         rows = rows.to(out.device, non_blocking=True)
         if self._use_triton(out.device):
-            nvfp4_decode(rows, out, ids, **self._tuning())
+            nvfp4_decode(rows, out, ids)
         else:
             nvfp4_decode_ref(rows, out, ids)
-
-    def _tuning(self) -> dict[str, int]:
-        """Kernel knobs the caller set (else each kernel's tuned defaults)."""
-        kw = {"block_r": self.block_r, "num_warps": self.num_warps}
-        return {k: v for k, v in kw.items() if v is not None}
 
     def encoded_nbytes(self, spec: Any, page_size: int) -> int:
         return nvfp4_layout(2 * spec.num_layers, spec.num_kv_heads * page_size, spec.head_dim)[3]

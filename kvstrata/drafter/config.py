@@ -35,11 +35,22 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+#: The fields of :class:`DFlashConfig` that name a drafter's K/V, in the order its fingerprint
+#: has always listed them (changing this tuple changes the namespace of every stored draft page).
+FINGERPRINT_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta",
+    "max_position_embeddings", "block_size", "num_target_layers", "mask_token_id",
+    "target_layer_ids", "layer_causal", "layer_window", "attention_bias", "input_embedding_scale",
+    "output_multiplier", "final_logit_softcapping", "dtype")
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
-    # NOTE: repr(config) goes into the drafter's fingerprint (the prefix-cache namespace), so
-    # the fields' order and names are part of what stored pages are keyed by: reordering them
-    # (e.g. to share a base class with Qwen3Config) would orphan every stored draft page.
+    # The drafter's fingerprint (the prefix-cache namespace of its pages) is built from
+    # ``fingerprint_text()``, which lists FINGERPRINT_FIELDS in a pinned order, so fields can be
+    # added or re-arranged here without orphaning stored draft pages (a new field that changes
+    # the K/V must be appended to FINGERPRINT_FIELDS).
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -61,6 +72,12 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     dtype: torch.dtype | None = None           # the checkpoint's dtype, if config.json says
+
+    def fingerprint_text(self) -> str:
+        """The config's part of the drafter fingerprint: ``FINGERPRINT_FIELDS`` in their pinned
+        order, written as the dataclass repr wrote them when the fingerprint was introduced."""
+        return "DFlashConfig(" + ", ".join(f"{n}={getattr(self, n)!r}"
+                                           for n in FINGERPRINT_FIELDS) + ")"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "drafter config") -> "DFlashConfig":

@@ -106,7 +106,7 @@ class DFlashDrafter(nn.Module):
         model.to(device=device, dtype=dt).eval()
         model.requires_grad_(False)
         model.merge_weights()
-        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(repr(cfg)), state)
+        model._fingerprint = "dflash-" + weights_fingerprint(json.dumps(cfg.fingerprint_text()), state)
         return model
 
     def merge_weights(self) -> None:
@@ -129,7 +129,8 @@ class DFlashDrafter(nn.Module):
         return self._fingerprint
 
     def kv_spec(self, name: str = "draft", codec: str = "lossless") -> KVGroupSpec:
-        """The ``draft`` layer group: one page slot per token per draft layer."""
+        """The ``draft`` layer group: K/V of every draft layer for each slot (token position) of
+        the pool."""
         c = self.cfg
         return KVGroupSpec(name, c.num_hidden_layers, c.num_key_value_heads, c.head_dim,
                            self.dtype, codec, sliding_window=c.all_sliding)

@@ -175,9 +175,9 @@ def rcp_table() -> torch.Tensor:
     return torch.where(q > 0, torch.ones_like(q) / torch.where(q > 0, q, 1.0), 0.0)
 
 
-def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, **_: int
+def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Encode pages to NVFP4 (reference; tuning keywords of the Triton version are ignored).
+    """Encode pages to NVFP4 (reference).
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32, each page
     contiguous. page_ids: optional ``[M]`` int; encode ``pages[page_ids]`` (e.g. from a pool).
@@ -215,7 +215,7 @@ def nvfp4_encode_ref(pages: torch.Tensor, page_ids: torch.Tensor | None = None, 
 
 
 def nvfp4_decode_ref(payload: torch.Tensor, out: torch.Tensor,
-                     page_ids: torch.Tensor | None = None, **_: int) -> torch.Tensor:
+                     page_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` (reference).
 
     payload: ``[M, nbytes]`` uint8. out: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]``

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -108,33 +109,112 @@ def _decode_lanes_config(s: int, r: int, d: int, block_r: int, *, has_ids: bool,
                 STAGES=stages), triton.cdiv(r * (d // 8), block_w)
 
 
+@dataclass(frozen=True)
+class EncodeLaunch:
+    """How :func:`nvfp4_encode` launches: the kernel variant and its tuning. Every launch writes
+    the same bytes; the library always uses the default (the variant and tuning measured best,
+    ``docs/benchmarks.md``). The kernel tests and ``benchmarks/codecs_bench.py`` try the others
+    through :func:`_launch_encode`.
+
+    block_r: rows (tokens x heads) per tile, a power of two; ``None`` keeps the whole slab in
+    registers when it has at most ``ONE_PASS_ELEMS`` elements, else tiles of that size (a
+    ``block_r`` >= the slab's rows also means one pass). num_warps: warps per program. asm: use
+    inline PTX (byte permutes, hardware E4M3 conversion); ``None`` = when the device allows it
+    (CUDA sm_89+, not the interpreter). persistent: launch ``persistent`` programs per SM, each
+    looping over slabs (software-pipelined over ``stages`` stages when > 1); 0 = one program
+    per slab. maxnreg: cap the registers per thread (more programs per SM; ptxas spills past
+    what the kernel needs). lanes: a thread per half block (``_nvfp4_encode_lanes_kernel``);
+    ``None`` = for bf16/fp16 slabs of at most ``ONE_PASS_ELEMS`` elements when neither
+    ``block_r`` nor ``persistent`` asks for another variant.
+    """
+
+    block_r: int | None = None
+    num_warps: int = 4
+    asm: bool | None = None
+    persistent: int = 0
+    stages: int = 1
+    maxnreg: int | None = None
+    lanes: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_launch(self, "block_r", self.block_r, power_of_two=True, optional=True)
+        _check_launch(self, "num_warps", self.num_warps, power_of_two=True)
+        _check_launch(self, "stages", self.stages)
+        _check_launch(self, "persistent", self.persistent, minimum=0)
+        _check_launch(self, "maxnreg", self.maxnreg, optional=True)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How :func:`nvfp4_decode` launches (see :class:`EncodeLaunch`; tried through
+    :func:`_launch_decode`).
+
+    block_r: rows per program, a power of two. lanes (default): a program takes ``block_r``
+    rows' worth of consecutive code words and each thread decodes whole words it loaded itself
+    (32-bit loads, 16-byte bf16 stores, no shared memory or barriers); ``words_per_thread`` and
+    ``flat`` then do not apply. Without lanes: words_per_thread: 32-bit words of codes (8
+    elements each) per thread, a power of two (one load of 4x that many bytes; capped at the
+    row's words); flat: a program takes ``block_r`` rows' worth of consecutive words of a slab
+    instead of whole rows (no padding when ``head_dim / 8`` is not a power of two).
+    persistent (with ``lanes``): launch ``persistent`` programs per SM, each looping over tiles,
+    software-pipelined over ``stages`` stages; 0 = one program per tile.
+    """
+
+    block_r: int = 16
+    num_warps: int = 2
+    words_per_thread: int = 1
+    flat: bool = False
+    lanes: bool = True
+    persistent: int = 0
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        _check_launch(self, "block_r", self.block_r, power_of_two=True)
+        _check_launch(self, "num_warps", self.num_warps, power_of_two=True)
+        _check_launch(self, "words_per_thread", self.words_per_thread, power_of_two=True)
+        _check_launch(self, "stages", self.stages)
+        _check_launch(self, "persistent", self.persistent, minimum=0)
+
+
+def _check_launch(cfg, name: str, v, *, power_of_two: bool = False, optional: bool = False,
+                  minimum: int = 1) -> None:
+    if v is None and optional:
+        return
+    if (not isinstance(v, int) or isinstance(v, bool) or v < minimum
+            or (power_of_two and v & (v - 1))):
+        what = "a power of two" if power_of_two else f"an integer >= {minimum}"
+        raise ValueError(f"{type(cfg).__name__}.{name} must be {what}"
+                         f"{' or None' if optional else ''}, got {v!r}")
+
+
+_ENCODE = EncodeLaunch()
+_DECODE = DecodeLaunch()
+
+
 def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
-                 out: torch.Tensor | None = None, block_r: int | None = None,
-                 num_warps: int = 4, asm: bool | None = None, persistent: int = 0,
-                 stages: int = 1, maxnreg: int | None = None,
-                 lanes: bool | None = None, raw_flags: bool = False
+                 out: torch.Tensor | None = None, raw_flags: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode pages to NVFP4 in one launch (Triton); same contract as :func:`nvfp4_encode_ref`.
 
     pages: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]`` bf16/fp16/fp32.
     page_ids: optional ``[M]`` int; encodes ``pages[page_ids]`` without gathering them first.
-    block_r: rows (tokens x heads) per tile, a power of two; ``None`` (default) keeps the whole
-    slab in registers when it has at most ``ONE_PASS_ELEMS`` elements, else tiles of that size.
-    A ``block_r`` >= the slab's rows also means one pass. out: optional ``[M, nbytes]`` uint8
-    on ``pages.device`` to encode into; its rows may be strided (e.g. columns of a staging buffer
-    laid out like host slots). asm: use inline PTX (byte permutes, hardware E4M3 conversion);
-    ``None`` = when the device allows it (CUDA sm_89+, not the interpreter); the bytes are the
-    same either way. persistent: launch ``persistent`` programs per SM, each looping over slabs
-    (software-pipelined over ``stages`` stages when > 1); 0 (default) = one program per slab. maxnreg: cap the registers per
-    thread (more programs per SM; ptxas spills past what the kernel needs). lanes: a thread
-    per half block (see ``_nvfp4_encode_lanes_kernel``); ``None`` (default) = for bf16/fp16
-    slabs of at most ``ONE_PASS_ELEMS`` elements when neither ``block_r`` nor ``persistent``
-    asks for another variant.
+    out: optional ``[M, nbytes]`` uint8 on ``pages.device`` to encode into; its rows may be
+    strided (e.g. columns of a staging buffer laid out like host slots).
     Returns ``(payload [M, nbytes] uint8, ok [M] bool)`` on ``pages.device``;
     nothing here waits for the device (``ok`` is a device tensor). raw_flags: return the kernel's
     per-slab flags ``[M, 2 * num_layers]`` int32 (nonzero = not encodable) instead of ``ok``,
     which saves the reduction's launches (the tiers reduce them on the host).
     """
+    return _launch_encode(pages, page_ids, _ENCODE, out=out, raw_flags=raw_flags)
+
+
+def _launch_encode(pages: torch.Tensor, page_ids: torch.Tensor | None, launch: EncodeLaunch, *,
+                   out: torch.Tensor | None = None, raw_flags: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`nvfp4_encode` with another :class:`EncodeLaunch` (kernel tests, benchmarks)."""
+    block_r, num_warps, asm = launch.block_r, launch.num_warps, launch.asm
+    persistent, stages, maxnreg, lanes = (launch.persistent, launch.stages, launch.maxnreg,
+                                          launch.lanes)
     s, r, d, m = _check_pages(pages, page_ids)
     total = nvfp4_layout(s, r, d)[3]
     if out is None:
@@ -172,25 +252,22 @@ def nvfp4_encode(pages: torch.Tensor, page_ids: torch.Tensor | None = None, *,
     return out, bad.amax(dim=1) == 0
 
 
-def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None,
-                 *, block_r: int = 16, num_warps: int = 2, words_per_thread: int = 1,
-                 flat: bool = False, lanes: bool = True, persistent: int = 0,
-                 stages: int = 2) -> torch.Tensor:
+def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Decode NVFP4 pages into ``out`` in one launch (Triton); contract of :func:`nvfp4_decode_ref`.
 
     payload: ``[M, nbytes]`` uint8 on ``out.device``; its rows may be strided (e.g. columns of
     a staging buffer). out: ``[N, num_layers, 2, num_kv_heads, page_size, head_dim]``
-    bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). block_r: rows per program, a power of
-    two. words_per_thread: 32-bit words of codes (8 elements each) per thread, a power of two
-    (one load of 4x that many bytes; capped at the row's words). flat: a program takes
-    ``block_r`` rows' worth of consecutive words of a slab instead of whole rows (no padding
-    when ``head_dim / 8`` is not a power of two). lanes (default): a program takes ``block_r``
-    rows' worth of consecutive code words (as ``flat``) and each thread decodes whole words it
-    loaded itself (32-bit loads, 16-byte bf16 stores, no shared memory or barriers);
-    ``words_per_thread`` and ``flat`` are then ignored. persistent (with ``lanes``): launch
-    ``persistent`` programs per SM, each looping over tiles, software-pipelined over ``stages``
-    stages; 0 = one program per tile. Returns ``out``.
+    bf16/fp16/fp32 (a pool works: pass ``page_ids [M]``). Returns ``out``.
     """
+    return _launch_decode(payload, out, page_ids, _DECODE)
+
+
+def _launch_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tensor | None,
+                   launch: DecodeLaunch) -> torch.Tensor:
+    """:func:`nvfp4_decode` with another :class:`DecodeLaunch` (kernel tests, benchmarks)."""
+    block_r, num_warps, persistent, stages = (launch.block_r, launch.num_warps,
+                                              launch.persistent, launch.stages)
     s, r, d, m = _check_pages(out, page_ids)
     _check_payload(payload, m, nvfp4_layout(s, r, d)[3])
     if payload.device != out.device:
@@ -205,7 +282,7 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
         args = (payload, payload if words is None else words, _ids(page_ids, out),
                 out.view(torch.int16) if kind == 1 else out, payload.stride(0),
                 payload.stride(0) // 4, out.stride(0))
-        if lanes:
+        if launch.lanes:
             cfg, tiles = _decode_lanes_config(s, r, d, block_r, has_ids=page_ids is not None,
                                               out_kind=kind, words=words is not None,
                                               persistent=persistent, stages=stages)
@@ -214,7 +291,7 @@ def nvfp4_decode(payload: torch.Tensor, out: torch.Tensor, page_ids: torch.Tenso
             _nvfp4_decode_lanes_kernel[(grid,)](*args, tiles, n_tiles, R=r,
                                                  num_warps=num_warps, **cfg)
         else:
-            cfg, tiles = _decode_config(s, r, d, block_r, words_per_thread, flat,
+            cfg, tiles = _decode_config(s, r, d, block_r, launch.words_per_thread, launch.flat,
                                         has_ids=page_ids is not None, out_kind=kind,
                                         words=words is not None)
             _nvfp4_decode_kernel[(m * s, tiles)](*args, R=r, num_warps=num_warps, **cfg)

@@ -1,6 +1,7 @@
 """The paged KV pool: layer-group specs, page pool, prefix hashing and the request manager."""
 
-from .hashing import HASH_BYTES, Namespace, blake2b_128, hash_page, page_hashes, tokens_to_bytes
+from .hashing import (HASH_BYTES, Namespace, blake2b_128, hash_page, namespace_differences,
+                      page_hashes, tokens_to_bytes)
 from .manager import KVCacheManager, PrefixHit, PrefixSource, SequenceState
 from .pool import EvictCallback, OutOfPagesError, PageInfo, PageKey, PagePool, PageState
 from .view import LAYER_KV_FIRST, PAGE_MAJOR, GroupView, PoolView
@@ -12,6 +13,6 @@ __all__ = [
     "KVCacheManager", "KVGroupSpec", "Namespace", "OutOfPagesError", "PageInfo", "PageKey",
     "PagePool", "PageState", "PoolView", "PrefixHit", "PrefixSource",
     "SequenceState", "blake2b_128", "bytes_per_page", "bytes_per_token", "check_page_size",
-    "format_bytes", "hash_page", "max_tokens_for_pages", "page_hashes", "pages_for_budget",
-    "tokens_to_bytes",
+    "format_bytes", "hash_page", "max_tokens_for_pages", "namespace_differences", "page_hashes",
+    "pages_for_budget", "tokens_to_bytes",
 ]

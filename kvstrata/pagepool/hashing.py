@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -100,17 +100,31 @@ class Namespace:
         return Namespace(self.target, self.groups, self.page_size, self.drafter,
                          self.layout_version, cache_salt)
 
-    def compatible(self, other: "Namespace") -> list[str]:
-        """Names of the fields (other than ``cache_salt``) in which two namespaces differ."""
-        diffs = []
-        for name in ("target", "drafter", "page_size", "layout_version"):
-            if getattr(self, name) != getattr(other, name):
-                diffs.append(f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}")
-        mine = tuple(g.fingerprint_fields() for g in self.groups)
-        theirs = tuple(g.fingerprint_fields() for g in other.groups)
-        if mine != theirs:
-            diffs.append(f"groups: {mine} != {theirs}")
-        return diffs
+    def shared_fields(self) -> dict[str, Any]:
+        """What two engines (or an engine and a tier) must agree on to exchange pages: every
+        field but ``cache_salt`` (a request's), as plain values (the disaggregation handshake
+        sends them over the wire)."""
+        return {"layout_version": self.layout_version, "page_size": self.page_size,
+                "target": self.target, "drafter": self.drafter,
+                "groups": [list(g.fingerprint_fields()) for g in self.groups]}
+
+
+def namespace_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any],
+                          ours: str = "this one", other: str = "the other") -> list[str]:
+    """One line per field in which two :meth:`Namespace.shared_fields` differ, naming each
+    side's value (``ours`` / ``other`` say whose it is)."""
+    diffs = []
+    for key in ("layout_version", "page_size", "target", "drafter", "groups"):
+        a, b = mine.get(key), theirs.get(key)
+        if a == b:
+            continue
+        if key == "drafter" and "none" in (a, b):
+            who = ours if a == "none" else other
+            diffs.append(f"drafter: {who} has no drafter ({a!r} at {ours} vs {b!r} at {other}); "
+                         "the draft KV cannot be shared")
+        else:
+            diffs.append(f"{key}: {a!r} at {ours} vs {b!r} at {other}")
+    return diffs
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

@@ -184,7 +184,7 @@ class KVCacheManager:
         max_pages = max(0, min(len(token_ids), max_cached_tokens)) // self.page_size
         hashes = page_hashes(ns, token_ids[:max_pages * self.page_size])
         dev = self._device_prefix(hashes)
-        self.pool.touch(dev)
+        self.pool.share(dev)
         page_ids = list(dev)
         cached_from = {"device": len(dev)}
         if self.tiers is not None and len(dev) < len(hashes):

@@ -215,8 +215,9 @@ class PagePool:
         self._free.extend(victims)
         return victims
 
-    def touch(self, page_ids: Iterable[int]) -> None:
-        """Take a reference on existing pages (a prefix hit): cached pages become in use."""
+    def share(self, page_ids: Iterable[int]) -> None:
+        """Take a reference on existing pages (a prefix hit): cached pages become in use.
+        (Not "touch": in the tiers that word is only an access hint for their LRU.)"""
         for p in page_ids:
             if self._ref[p] == 0:
                 if p not in self._lru:

@@ -9,7 +9,7 @@ device pages through a :class:`PoolView`, which any engine can build from its ow
 
   ``PAGE_MAJOR`` (kvstrata's own pool)
       one tensor ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``: a page of a
-      group is one contiguous block (K then V, heads-major inside a layer).
+      group is one contiguous span of memory (K then V, heads-major inside a layer).
   ``LAYER_KV_FIRST`` (e.g. vLLM's flash-attention cache)
       ``num_layers`` tensors ``[2, num_pages, page_size, num_kv_heads, head_dim]``, one per layer
       (K then V along dim 0, tokens before heads).

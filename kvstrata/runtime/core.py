@@ -135,10 +135,13 @@ class EngineCore:
         return plist
 
     def _stop_ids(self, sp: SamplingParams) -> frozenset:
+        """The ids that end a request: its ``stop_token_ids`` and, unless ``ignore_eos``, the
+        model's EOS ids; only those inside the vocabulary (the target never samples the rest)."""
         eos = () if sp.ignore_eos else self.eos_token_ids
-        return frozenset(sp.stop_token_ids) | frozenset(eos)
+        V = self.target.config.vocab_size
+        return frozenset(t for t in (*sp.stop_token_ids, *eos) if t < V)
 
-    def _make_request(self, rid, prompt, sp, salt) -> Request:
+    def _make_request(self, request_id, prompt, sp, salt) -> Request:
         if sp is None:
             sp = SamplingParams()
         if not isinstance(sp, SamplingParams):
@@ -170,37 +173,38 @@ class EngineCore:
         gen = None
         if sp.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(sp.seed)
-        return Request(rid=rid, prompt=toks, params=sp, salt=salt, generator=gen,
+        return Request(request_id=request_id, prompt=toks, params=sp, salt=salt, generator=gen,
                        max_length=min(len(toks) + sp.max_tokens, self.max_seq_len),
-                       stop_ids=frozenset(t for t in self._stop_ids(sp) if t < V),
+                       stop_ids=self._stop_ids(sp),
                        detok=Detokenizer(self.tokenizer) if self.tokenizer is not None else None,
                        t_arrival=time.perf_counter())
 
     def _drive(self, sched: Scheduler, outs: list) -> list[Request]:
-        """Step a private scheduler (``prefill``/``resume``) until it is empty; outputs by rid."""
+        """Step a private scheduler (``prefill``/``resume``) until it is empty; outputs by request
+        id."""
         held: list[Request] = []
         try:
             while sched.has_work:
                 self._advance(sched, held)
                 for r in list(sched.finished):
-                    outs[r.rid] = self._output(r, r.rid)
+                    outs[r.request_id] = self._output(r, r.request_id)
                 sched.finished.clear()
         finally:
             for r in list(sched.waiting) + list(sched.running):
                 self._abort(sched, r)
-                outs[r.rid] = self._output(r, r.rid)
+                outs[r.request_id] = self._output(r, r.request_id)
         return held
 
     def _fits(self, sched: Scheduler, r: Request) -> bool:
         """Admission by need: the pages its (remaining) prompt and first block take, beyond what
         the running sequences need for their next block, are free or evictable."""
-        live = [x for x in sched.running if x.rid_key in self.mgr.seqs]
+        live = [x for x in sched.running if x.seq_id in self.mgr.seqs]
         if not live:
             return True
         P = self.pool.page_size
         need = math.ceil(min(r.prefill_target + self.block_size, r.max_length) / P)
         headroom = sum(max(0, math.ceil(min(x.num_computed + self.block_size, x.max_length) / P)
-                           - len(self.mgr.seqs[x.rid_key].page_ids)) for x in live)
+                           - len(self.mgr.seqs[x.seq_id].page_ids)) for x in live)
         return self.pool.num_available - headroom >= need
 
     def _admit(self, sched: Scheduler) -> None:
@@ -214,10 +218,10 @@ class EngineCore:
                 # starts empty here, which is exactly its disaggregation weakness.
                 r.t_admit = r.t_first = time.perf_counter()
             else:
-                r.rid_key = (next(self._ids), r.rid)
+                r.seq_id = (next(self._ids), r.request_id)
                 upto = r.prefill_target
                 pending = len(r.tokens) > upto          # resumed after a preemption in DECODE
-                seq = self.mgr.admit(r.rid_key, r.tokens[:upto] if r.tokens else r.prompt,
+                seq = self.mgr.admit(r.seq_id, r.tokens[:upto] if r.tokens else r.prompt,
                                      cache_salt=r.salt,
                                      max_cached_tokens=upto if pending else upto - 1)
                 r.num_computed = seq.num_cached_tokens
@@ -229,7 +233,7 @@ class EngineCore:
                 r.state = DECODE if pending and r.num_computed == upto else PREFILL
             r.admit_order = next(self._admissions)
             if self.arena is not None:
-                self.arena.open(r.rid_key, r.num_computed)
+                self.arena.open(r.seq_id, r.num_computed)
             sched.running.append(r)
 
     def _cached_by_tier(self, pages: dict[str, int]) -> dict[str, int]:
@@ -255,7 +259,7 @@ class EngineCore:
         for r, n in plan.decode + plan.prefill:
             while r.state != PREEMPTED:
                 try:
-                    self.mgr.reserve(r.rid_key, r.num_computed + n)
+                    self.mgr.reserve(r.seq_id, r.num_computed + n)
                     break
                 except OutOfPagesError:
                     live = [x for x in sched.running if x.state in (PREFILL, DECODE)]
@@ -265,12 +269,12 @@ class EngineCore:
 
     def _preempt(self, sched: Scheduler, r: Request) -> None:
         if len([x for x in sched.running if x.state in (PREFILL, DECODE)]) == 1:
-            raise RuntimeError(f"request {r.rid}: the pool cannot hold one sequence's next "
+            raise RuntimeError(f"request {r.request_id}: the pool cannot hold one sequence's next "
                                "block even with every other sequence preempted")
         self._release(r)
         if r.state == DECODE:
             r.resume_to = r.num_computed
-        r.num_computed, r.state, r.rid_key = 0, PREEMPTED, None
+        r.num_computed, r.state, r.seq_id = 0, PREEMPTED, None
         r.num_preemptions += 1
         self._counters["preemptions"] += 1
         sched.running.remove(r)
@@ -288,10 +292,10 @@ class EngineCore:
             self._counters["aborted_requests" if reason == "abort" else "failed_requests"] += 1
 
     def _release(self, r: Request) -> None:
-        if r.rid_key is not None and r.rid_key in self.mgr.seqs:
-            self.mgr.free(r.rid_key)
+        if r.seq_id is not None and r.seq_id in self.mgr.seqs:
+            self.mgr.free(r.seq_id)
             if self.arena is not None:
-                self.arena.close(r.rid_key)
+                self.arena.close(r.seq_id)
 
     def _output(self, r: Request, index) -> RequestOutput:
         done = r.t_done or time.perf_counter()
@@ -319,11 +323,11 @@ class EngineCore:
             r.sent_tokens += len(gen)
             r.sent_text = len(r.text)
             out.append(RequestDelta(
-                r.rid, gen, text, finished, r.finish_reason if finished else None, r.last_al,
+                r.request_id, gen, text, finished, r.finish_reason if finished else None, r.last_al,
                 len(r.prompt), r.num_cached_tokens, dict(r.cached_from),
                 (r.t_first - r.t_arrival) if first and r.t_first else None, r.error))
-            if finished and self._requests.get(r.rid) is r:
-                del self._requests[r.rid]
+            if finished and self._requests.get(r.request_id) is r:
+                del self._requests[r.request_id]
         return out
 
     # -- one step -------------------------------------------------------------------------------
@@ -369,7 +373,7 @@ class EngineCore:
         return touched
 
     def _fail(self, sched: Scheduler, r: Request, e: BaseException) -> None:
-        log.warning("request %s failed: %s: %s", r.rid, type(e).__name__, e)
+        log.warning("request %s failed: %s: %s", r.request_id, type(e).__name__, e)
         self._abort(sched, r, "error", f"{type(e).__name__}: {e}")
         sched.finished.append(r)
 
@@ -402,7 +406,7 @@ class EngineCore:
         # <= min_tokens (vLLM's semantics), so greedy/spec/plain agree on them.
         g0 = len(r.tokens) - len(r.prompt)
         masked = max(0, min(rows, r.params.min_tokens - g0)) if r.stop_ids else 0
-        return StepItem(r.rid_key, r.num_computed, n, toks, decode, r.params, sample=sample,
+        return StepItem(r.seq_id, r.num_computed, n, toks, decode, r.params, sample=sample,
                         generator=r.generator, banned=r.stop_ids if masked else frozenset(),
                         banned_rows=masked)
 
@@ -437,5 +441,5 @@ class EngineCore:
                             r.state = PREFILLED
                             # The prompt commit below still runs: a handoff carries its pages.
                         c["generated_tokens"] += 1
-            self.mgr.commit(r.rid_key, commit)
+            self.mgr.commit(r.seq_id, commit)
             r.num_computed += len(commit)

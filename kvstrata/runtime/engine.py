@@ -183,8 +183,8 @@ class LLM(EngineCore):
         host page down to it and close it, so a restarted engine finds them (idempotent)."""
         if self._closed:
             return
-        for rid in [k for k, r in self._requests.items() if r.state != DONE]:
-            self.abort(rid)
+        for request_id in [k for k, r in self._requests.items() if r.state != DONE]:
+            self.abort(request_id)
         self._requests.clear()
         self._closed = True
         if self.tiers is not None:
@@ -220,23 +220,23 @@ class LLM(EngineCore):
         try:
             for i, (p, sp) in enumerate(zip(prompts, plist)):
                 try:
-                    rid = self.add_request(p, sp, request_id=f"generate-{next(self._ids)}",
+                    request_id = self.add_request(p, sp, request_id=f"generate-{next(self._ids)}",
                                            cache_salt=cache_salt)
                 except ValueError as e:
                     outs[i] = RequestOutput(i, p if isinstance(p, list) else [], [],
                                             finish_reason="rejected", error=f"request {i}: {e}")
                     continue
-                mine[rid] = i
-            while any(self._requests[rid].state != DONE for rid in mine):
+                mine[request_id] = i
+            while any(self._requests[request_id].state != DONE for request_id in mine):
                 touched = self._advance(self.sched)
                 self.sched.finished.clear()
-                self._undelivered += self._deliver([r for r in touched if r.rid not in mine])
+                self._undelivered += self._deliver([r for r in touched if r.request_id not in mine])
         finally:
-            for rid in mine:
-                r = self._requests.pop(rid)
+            for request_id in mine:
+                r = self._requests.pop(request_id)
                 if r.state != DONE:
                     self._abort(self.sched, r)
-                outs[mine[rid]] = self._output(r, mine[rid])
+                outs[mine[request_id]] = self._output(r, mine[request_id])
         return outs
 
     def prefill(self, prompts: Sequence[Sequence[int]],
@@ -245,7 +245,7 @@ class LLM(EngineCore):
         """Context-worker half of :meth:`generate`: prefill (prefix reuse included) and sample the
         first token, then stop.
 
-        Per prompt: a :class:`Request` in state ``PREFILLED`` whose sequence (``rid_key``; every
+        Per prompt: a :class:`Request` in state ``PREFILLED`` whose sequence (``seq_id``; every
         prompt token committed in both groups) stays held until :meth:`release`, or a final
         :class:`RequestOutput` (rejected, or finished at its first token).
         """
@@ -263,14 +263,14 @@ class LLM(EngineCore):
             sched.add(req)
         held = self._drive(sched, outs)
         for r in held:
-            outs[r.rid] = r
+            outs[r.request_id] = r
         return outs
 
     def resume(self, requests: Sequence[Request]) -> list[RequestOutput]:
         """Generation-worker half: decode requests whose prompt K/V is already in this pool.
 
         Each request is in state ``DECODE`` with ``tokens = prompt + [first token]``,
-        ``num_computed == len(prompt)`` and ``rid_key`` naming an admitted sequence of this
+        ``num_computed == len(prompt)`` and ``seq_id`` naming an admitted sequence of this
         manager holding exactly the prompt (``disagg.workers`` builds them from a handoff).
         Returns outputs in the order given; the sequences are freed.
         """
@@ -278,17 +278,19 @@ class LLM(EngineCore):
         sched = self._scheduler()
         local = {}
         for i, r in enumerate(requests):
-            seq = self.mgr.seqs.get(r.rid_key)
+            seq = self.mgr.seqs.get(r.seq_id)
             if r.state != DECODE or seq is None or seq.token_ids != r.prompt or \
                     r.num_computed != len(r.prompt) or len(r.tokens) != len(r.prompt) + 1:
-                raise ValueError(f"request {r.rid}: resume needs a DECODE request whose sequence "
-                                 f"{r.rid_key!r} holds exactly its prompt and one pending token")
-            local[i], r.rid = r.rid, i   # outputs are indexed locally, then renamed back
+                raise ValueError(f"request {r.request_id}: resume needs a DECODE request whose "
+                                 f"sequence {r.seq_id!r} holds exactly its prompt and one "
+                                 "pending token")
+            # outputs are indexed locally, then renamed back
+            local[i], r.request_id = r.request_id, i
             r.stop_ids = self._stop_ids(r.params)
             sched.add(r)
         self._drive(sched, outs)
         for i, o in enumerate(outs):
-            o.request_id = requests[i].rid = local[i]
+            o.request_id = requests[i].request_id = local[i]
         return outs
 
     def release(self, r: Request) -> None:

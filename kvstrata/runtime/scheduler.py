@@ -37,7 +37,7 @@ class Request:
     distribution until then, as vLLM does).
     """
 
-    rid: object                     # request id (``add_request``'s, or a prompt index)
+    request_id: object              # request id (``add_request``'s, or a prompt index)
     prompt: list[int]
     params: SamplingParams
     max_length: int                 # prompt + generated tokens never exceed this
@@ -52,7 +52,7 @@ class Request:
     error: str | None = None
     generator: torch.Generator | None = None
     handoff: bool = False           # stop at PREFILLED (first token sampled) instead of decoding
-    rid_key: tuple | None = None    # the manager's sequence id (unique across generate calls)
+    seq_id: tuple | None = None     # the manager's sequence id (unique across generate calls)
     stop_ids: frozenset = frozenset()
     detok: Detokenizer | None = None
     text: str = ""                  # output text so far (stop strings cut off)

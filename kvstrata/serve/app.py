@@ -203,9 +203,9 @@ class _Server:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, salt: str | None,
                      prefix: str, arrival: float) -> RequestStream:
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            return await self.worker.add(prompt_ids, params, rid, salt, arrival)
+            return await self.worker.add(prompt_ids, params, request_id, salt, arrival)
         except ValueError as e:
             code = "context_length_exceeded" if "max_seq_len" in str(e) else None
             raise APIError(400, str(e), code=code)

@@ -29,16 +29,16 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 
 class _StatsCollector:
-    """Series derived from the last ``LLM.stats()`` snapshot handed to :meth:`update`."""
+    """Series derived from the last ``LLM.stats()`` snapshot handed to ``render``."""
 
     def __init__(self) -> None:
-        self.stats: dict = {}
+        self.snapshot: dict = {}
 
     def describe(self) -> list:
         return []     # unchecked collector: series appear once a snapshot exists
 
     def collect(self) -> Iterable:
-        s = self.stats
+        s = self.snapshot
         if not s:
             return
         pool = s.get("pool", {})
@@ -137,5 +137,5 @@ class ServerMetrics:
 
     def render(self, stats: dict) -> bytes:
         """The exposition text with ``stats`` (an ``LLM.stats()`` snapshot) folded in."""
-        self._stats.stats = stats
+        self._stats.snapshot = stats
         return generate_latest(self.registry)

@@ -128,13 +128,13 @@ class EngineWorker:
     def _handle(self, cmd) -> None:
         kind, a, b, fut = cmd
         if kind == "add":
-            stream, (prompt, params, rid, salt) = a, b
+            stream, (prompt, params, request_id, salt) = a, b
             try:
-                self.llm.add_request(prompt, params, request_id=rid, cache_salt=salt)
+                self.llm.add_request(prompt, params, request_id=request_id, cache_salt=salt)
             except ValueError as e:
                 self._reply(fut, exc=e)
                 return
-            self._streams[rid] = stream
+            self._streams[request_id] = stream
             self.metrics.running.inc()
             self._reply(fut, stream)
         elif kind == "abort":
@@ -187,7 +187,7 @@ class EngineWorker:
 
     def _fail_all(self, reason: str) -> None:
         self.failure = reason
-        out = [(s, _error_delta(rid, reason)) for rid, s in self._streams.items()]
+        out = [(s, _error_delta(request_id, reason)) for request_id, s in self._streams.items()]
         self._streams.clear()
         if out:
             self._loop.call_soon_threadsafe(_deliver, out)
@@ -202,8 +202,8 @@ class EngineWorker:
             log.exception("engine step failed; the server stops taking requests")
             self._fail_all(f"engine failure: {type(e).__name__}: {e}")
         else:
-            for rid in list(self._streams):                      # shutting down
-                llm.abort(rid)
+            for request_id in list(self._streams):      # shutting down
+                llm.abort(request_id)
             self._fail_all("the server is shutting down")
         # Answer what arrived after the end instead of leaving callers waiting.
         while True:

@@ -49,7 +49,7 @@ def compact(tier, victim: int) -> None:
             ok = cur.next()
     lost, entries, keep = [], [], []
     for h, v in moves:
-        parts = tier.parts_at(h, v)
+        parts = tier.reads.parts_at(h, v)
         if parts is None:
             lost.append((h, v))    # its bytes are gone: drop it (a read would miss anyway)
         else:
@@ -63,7 +63,7 @@ def compact(tier, victim: int) -> None:
         for (h, v) in lost:
             if _current(txn, tier, h) == v:
                 total -= tier.index.drop(txn, h, v, deltas)
-                tier.stats["deleted"] += 1
+                tier.index.counts["deleted"] += 1
         seqs = []
         for h, v in keep:
             if _current(txn, tier, h) != v:
@@ -72,15 +72,15 @@ def compact(tier, victim: int) -> None:
             tier.index.drop(txn, h, v, deltas)
         if entries:
             tier.index.add(txn, entries, seqs, deltas)   # same access order
-            tier.stats["moved_records"] += len(entries)
-            tier.stats["moved_bytes"] += sum(sum(len(p) for p in ps) for _, ps in entries)
+            tier.index.counts["moved_records"] += len(entries)
+            tier.index.counts["moved_bytes"] += sum(sum(len(p) for p in ps) for _, ps in entries)
         entries.clear()
         txn.put(b"bytes", U64.pack(max(total, 0)), db=tier.index.dbs[b"meta"])
         deltas.setdefault(victim, [0, 0])
         freed = tier.index.settle(txn, deltas)
     tier.files.forget(victim)
     tier.index.unlink(freed)
-    tier.stats["compactions"] += 1
+    tier.index.counts["compactions"] += 1
 
 
 def _current(txn, tier, h: bytes) -> bytes | None:

@@ -13,8 +13,8 @@ writer killed at any point leaves the previous committed state: bytes past a seg
 ``end`` are a torn tail, never referenced, and cut off when a writer next opens the tier.
 
 Damage to the index (a flipped page in ``data.mdb``, a bad meta or root page, a truncated or
-deleted file): a read that meets it is a counted miss (``stats["index_errors"]``, logged once),
-never an exception; the writer then rebuilds the index from the segments before its next
+deleted file): a read that meets it is a counted miss (``counters()["index_errors"]``, logged
+once), never an exception; the writer then rebuilds the index from the segments before its next
 operation. At open, the writer checks the file's meta and root pages and its size before mapping
 it (LMDB would raise SIGBUS through the map of a truncated file), walks the whole index in a child
 process after an unclean shutdown (LMDB aborts on some damage; a dead child only tells us), and
@@ -43,19 +43,18 @@ import errno
 import fcntl
 import logging
 import os
-import struct
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Sequence
 
 import lmdb
 
 from .compaction import reclaim
 from .diskindex import DiskIndex
+from .diskread import DiskReader
 from .diskschema import (DAMAGE, LAYOUT, LOC, MAX_KEY, MAX_PARTS, SEQ, U64, TierDamaged, key_of,
-                         location, record_value, seg_id, seg_value, u64)
-from .segments import DEFAULT_SEGMENT_BYTES, MAGIC, Segments, frame_size, read_frame
-from .protocol import check_key, new_counters, record_nbytes
+                         record_value, seg_id, seg_value, u64)
+from .segments import DEFAULT_SEGMENT_BYTES, Segments
+from .protocol import check_key, leading, new_counters, record_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +113,19 @@ class DiskTier:
         self._cap = capacity_bytes            # lowered when the map turns out to be smaller
         self._lock = None
         self._touched: dict[bytes, None] = {}  # read hits whose access order is not written yet
-        self._served: dict[bytes, tuple] = {}  # key -> (index generation, location) last read
-        self.stats = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
-                      "deleted": 0, "orphans": 0, "segments_created": 0, "segments_deleted": 0,
-                      "compactions": 0, "moved_records": 0, "moved_bytes": 0,
-                      "relocated": 0, "index_errors": 0, "rebuilds": 0, "rebuilt_records": 0,
-                      "moved_aside": 0}
+        # The tier's own counters (its parts add to them), read through counters() with the
+        # Tier protocol's (self._tier).
+        self._counts = {"writes": 0, "write_bytes": 0, "write_errors": 0, "evictions": 0,
+                        "deleted": 0, "orphans": 0, "segments_created": 0, "segments_deleted": 0,
+                        "compactions": 0, "moved_records": 0, "moved_bytes": 0,
+                        "relocated": 0, "index_errors": 0, "rebuilds": 0, "rebuilt_records": 0,
+                        "moved_aside": 0}
         self._burst_errors = 0
         #: test hook: called inside every write transaction before commit (fault injection)
         self.before_commit: Callable[[], None] | None = None
-        self.index = DiskIndex(self.path, self.files, map_size, sync, readonly, self.stats)
+        self._tier = new_counters()
+        self.index = DiskIndex(self.path, self.files, map_size, sync, readonly, self._counts)
+        self.reads = DiskReader(self.index, self.files, readonly, self._counts)
         if readonly:
             recorded = self.index.open_reader()
             if recorded:    # readers report the capacity the writer configured
@@ -200,117 +202,19 @@ class DiskTier:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- reads --------------------------------------------------------------------------------
-    @contextmanager
-    def reader(self) -> Iterator[Callable[[bytes], list[memoryview] | None]]:
+    # -- reads (the read path is :class:`~kvstrata.tiers.diskread.DiskReader`) ---------------
+    def reader(self) -> ContextManager[Callable[[bytes], list[memoryview] | None]]:
         """One read transaction; yields ``get(key) -> parts | None``, the record's stored parts
         ``[head, payload_0, ...]`` in order. A record whose bytes are missing or short comes back
         as ``[]`` (no parts: it fails to parse and its reader deletes it). The views are valid
         only inside the ``with`` block (they point into the segments' maps): copy what you keep.
-        A damaged index makes every ``get`` a miss (None), never an exception."""
-        self._served.clear()
-        if not self.index.usable():
-            yield lambda h: None
-            return
-        try:
-            txn = self.env.begin(buffers=True)
-        except lmdb.Error as e:
-            self.index.error(e)
-            yield lambda h: None
-            return
-        self.index.busy += 1
-        try:
-            if self.readonly:
-                for s in self.files.mapped():
-                    if self._get(txn, SEQ.pack(s), self._segs) is None:
-                        self.files.forget(s)     # unlinked by the writer since it was mapped
-            yield self._getter(txn)
-        finally:
-            self.index.busy -= 1
-            txn.abort()
-
-    def _get(self, txn, key: bytes, db):
-        try:
-            return txn.get(key, db=db)
-        except lmdb.Error as e:
-            self.index.error(e)
-            return None
-
-    def _record(self, txn, h: bytes) -> bytes | None:
-        """Record ``h``'s index value, checked and copied; None if absent or damaged."""
-        v = self._get(txn, h, self._records)
-        if v is None:
-            return None
-        try:
-            return record_value(v)
-        except TierDamaged as e:
-            self.index.error(e)
-            return None
-
-    def parts_at(self, h: bytes, v) -> list | None:
-        """Views of the parts of the entry that index value ``v`` points at, if its frame is
-        ``h``'s; None if its bytes are missing, short or damaged."""
-        try:
-            seg, off, lens = location(v)
-        except TierDamaged as e:
-            self.index.error(e)
-            return None
-        head = frame_size(len(h), len(lens))
-        views = self.files.views(seg, off, [head + sum(lens)])
-        if views is None:
-            return None
-        (entry,) = views
-        got = read_frame(entry, 0)
-        if got is None and entry[:4] == MAGIC:
-            return None     # the entry's own frame is damaged
-        if got is None or got[0] != h or got[1] != lens:
-            self.index.error(TierDamaged(f"the index places {h.hex()} on another record"))
-            return None
-        parts = []
-        for n in lens:
-            parts.append(entry[head:head + n])
-            head += n
-        return parts
-
-    def _getter(self, txn) -> Callable[[bytes], list | None]:
-        def get(h: bytes) -> list | None:
-            v = self._record(txn, h)
-            if v is None:
-                return None
-            views = self.parts_at(h, v)
-            for _ in range(3):
-                if views is not None:
-                    break
-                # The snapshot may be older than a compaction that moved the record and
-                # unlinked the segment: look again in a fresh one before calling it damaged.
-                try:
-                    with self.env.begin(buffers=True) as now:
-                        v2 = self._record(now, h)
-                except lmdb.Error as e:
-                    self.index.error(e)
-                    return None
-                if v2 is None:
-                    return None
-                if bytes(v2[LOC:]) == bytes(v[LOC:]):
-                    break
-                v = v2
-                views = self.parts_at(h, v)
-                self.stats["relocated"] += 1
-            if not self.readonly:       # for delete()'s check; readers never delete
-                self._served[h] = (self.stats["rebuilds"], bytes(v[LOC:]))
-            return [] if views is None else views
-        return get
+        A damaged index makes every ``get`` a miss (None), never an exception; a record that
+        compaction moved after the snapshot was taken is followed to its new place."""
+        return self.reads.reader()
 
     def where(self, h: bytes) -> tuple[str, int, tuple[int, ...]] | None:
         """``(segment file, offset of the record's head, part lengths)`` of record ``h``."""
-        if not self.index.usable():
-            return None
-        with self.env.begin(buffers=True) as txn:
-            v = self._record(txn, h)
-        if v is None:
-            return None
-        seg, off, lens = location(v)
-        return self.files.path(seg), off + frame_size(len(h), len(lens)), lens
+        return self.reads.where(h)
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         if not self.index.usable():
@@ -324,12 +228,7 @@ class DiskTier:
 
     def prefix_count(self, hashes: Sequence[bytes]) -> int:
         """Consecutive pages present, starting at ``hashes[0]``."""
-        n = 0
-        for present in self.contains(hashes):
-            if not present:
-                break
-            n += 1
-        return n
+        return leading(self.contains(hashes))
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         """Record read hits; their new access order is written with the next write batch."""
@@ -392,9 +291,9 @@ class DiskTier:
             self._note_error(e)
             return 0
         n = self.files.sweep({s: end for s, (_, _, end) in segs.items()})
-        self.stats["segments_deleted"] += len(dead)
+        self._counts["segments_deleted"] += len(dead)
         if n:
-            self.stats["orphans"] += n
+            self._counts["orphans"] += n
             log.info("disk tier %s: removed %d orphans (segments, torn tails)", self.path, n)
         return n
 
@@ -449,7 +348,7 @@ class DiskTier:
         return 0
 
     def _note_error(self, e: BaseException) -> None:
-        self.stats["write_errors"] += 1
+        self._counts["write_errors"] += 1
         if isinstance(e, (TierDamaged, *DAMAGE)) and self.index.damaged is None:
             self.index.damaged = f"{type(e).__name__}: {e}"     # rebuilt before the next operation
         if not self._burst_errors:
@@ -503,9 +402,9 @@ class DiskTier:
                 self._touched.update(touched)   # not recorded: try again with the next write
                 raise
         self.index.unlink(freed)
-        self.stats["evictions"] += evicted
-        self.stats["writes"] += stored
-        self.stats["write_bytes"] += sum(size for _, _, size in keep)
+        self._counts["evictions"] += evicted
+        self._counts["writes"] += stored
+        self._counts["write_bytes"] += sum(size for _, _, size in keep)
         return stored
 
     def delete(self, hashes: Sequence[bytes]) -> int:
@@ -525,8 +424,8 @@ class DiskTier:
                     v = txn.get(h, db=self._records)
                     if v is not None:
                         v = record_value(v)
-                        served = self._served.get(h)
-                        if served is not None and served != (self.stats["rebuilds"],
+                        served = self.reads.served.get(h)
+                        if served is not None and served != (self._counts["rebuilds"],
                                                               bytes(v[LOC:])):
                             continue    # moved, rewritten or re-indexed since it was read
                         total -= self.index.drop(txn, h, v, deltas)
@@ -537,7 +436,7 @@ class DiskTier:
             self._note_error(e)
             return 0
         self.index.unlink(freed)
-        self.stats["deleted"] += n
+        self._counts["deleted"] += n
         return n
 
     # -- space reclamation --------------------------------------------------------------------
@@ -555,12 +454,6 @@ class DiskTier:
     # ``delete(keys) -> int`` and ``touch(keys)`` already have the protocol's meaning.
     name = "disk"
 
-    def _tier_counters(self) -> dict[str, int]:
-        tc = self.__dict__.get("_tc")
-        if tc is None:
-            tc = self.__dict__["_tc"] = new_counters()
-        return tc
-
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         try:
             return self.contains([check_key(k) for k in keys])
@@ -572,7 +465,7 @@ class DiskTier:
         """Stored parts per key (the head copied; payloads are views of the read-only segment
         maps: a map stays open while a view of it is held, and a segment's bytes never change),
         ``None`` for a miss, ``[]`` for a damaged record. A read fault is a miss."""
-        tc = self._tier_counters()
+        tc = self._tier
         keys = [check_key(k) for k in keys]
         try:
             with self.reader() as get:
@@ -594,7 +487,7 @@ class DiskTier:
         """:meth:`put_batch` answered per item: a page already present is refreshed (True);
         of the new ones it stores a leading run (all unless the batch exceeds the capacity or
         a fault drops the batch)."""
-        tc = self._tier_counters()
+        tc = self._tier
         items = [(check_key(k), parts) for k, parts in items]
         present = self.exists([k for k, _ in items])
         n = self.put_batch(items)
@@ -611,13 +504,13 @@ class DiskTier:
         return ok
 
     def counters(self) -> dict[str, int | float]:
-        tc = dict(self._tier_counters())
-        tc["deletes"] = self.stats["deleted"]
-        tc["errors"] += self.stats["write_errors"]
-        return {**self.stats, **tc}
+        tc = dict(self._tier)
+        tc["deletes"] = self._counts["deleted"]
+        tc["errors"] += self._counts["write_errors"]
+        return {**self._counts, **tc}
 
     def _read_fault(self, e: BaseException) -> None:
-        tc = self._tier_counters()
+        tc = self._tier
         if not tc["errors"]:
             log.warning("disk tier %s: read failed (%s); answered as misses, counted in "
                         "counters()['errors']", self.path, e)

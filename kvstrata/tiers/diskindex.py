@@ -66,15 +66,15 @@ class LayoutError(ValueError):
 class DiskIndex:
     """The LMDB index of one disk tier: opened with checks, guarded on every read, rebuilt.
 
-    ``stats`` is the tier's counter dict (``index_errors``, ``rebuilds``, ``rebuilt_records``,
-    ``moved_aside`` are counted here). ``dbs`` maps each name of :data:`DBS` to its handle;
+    ``counts`` is the tier's counter dict (``index_errors``, ``rebuilds``, ``rebuilt_records``,
+    ``moved_aside`` are counted here; the tier reports it through ``counters()``). ``dbs`` maps each name of :data:`DBS` to its handle;
     both ``env`` and ``dbs`` change when the index is rebuilt.
     """
 
     def __init__(self, path: str, files: Segments, map_size: int, sync: bool, readonly: bool,
-                 stats: dict):
+                 counts: dict):
         self.path, self.files, self.map_size = path, files, map_size
-        self.sync, self.readonly, self.stats = sync, readonly, stats
+        self.sync, self.readonly, self.counts = sync, readonly, counts
         self.env: lmdb.Environment | None = None
         self.dbs: dict[bytes, object] = {}
         self.capacity = 0
@@ -211,13 +211,13 @@ class DiskIndex:
             self.close()
             dest = move_aside(self.path, "damaged")
             self._open_writable()
-            self.stats["moved_aside"] += 1
+            self.counts["moved_aside"] += 1
             log.error("disk tier %s: the index is damaged (%s) and rebuilding it failed (%s); "
                       "moved the tier's files to %s and started empty", self.path, problem, e,
                       dest)
             return
-        self.stats["rebuilds"] += 1
-        self.stats["rebuilt_records"] += got["kept"]
+        self.counts["rebuilds"] += 1
+        self.counts["rebuilt_records"] += got["kept"]
         log.warning("disk tier %s: the index is damaged (%s); rebuilt it from %d segment files "
                     "(%.1f MB) in %.2f s: %d records kept, %d damaged stretches skipped%s",
                     self.path, problem, got["segments"], got["segment_bytes"] / 1e6,
@@ -249,7 +249,7 @@ class DiskIndex:
         nxt = u64(txn.get(b"nextseg", db=self.dbs[b"meta"]), 1)
         created = self.files.created
         seg, offs = self.files.append(entries, nxt)
-        self.stats["segments_created"] += self.files.created - created
+        self.counts["segments_created"] += self.files.created - created
         txn.put(b"nextseg", U64.pack(max(nxt, seg + 1)), db=self.dbs[b"meta"])
         d = deltas.setdefault(seg, [0, 0])
         for (h, parts), off, seq in zip(entries, offs, seqs):
@@ -292,7 +292,7 @@ class DiskIndex:
         self.files.sealed.clear()
         for s in segs:
             self.files.unlink(s)
-            self.stats["segments_deleted"] += 1
+            self.counts["segments_deleted"] += 1
 
     def bump(self, txn, h: bytes, seq: int) -> int:
         v = txn.get(h, db=self.dbs[b"records"])
@@ -360,7 +360,7 @@ class DiskIndex:
 
     def error(self, e) -> None:
         """A read met an error: count it, log the first of a burst, mark damage for a rebuild."""
-        self.stats["index_errors"] += 1
+        self.counts["index_errors"] += 1
         damage = not isinstance(e, lmdb.Error) or isinstance(e, DAMAGE)
         if damage and self.damaged is None:
             self.damaged = str(e)

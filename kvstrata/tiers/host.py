@@ -199,6 +199,8 @@ class HostTier:
         return self.buf[entry.slot, off:off + entry.sizes[group]]
 
     def group_region(self, slot: int, group: int) -> torch.Tensor:
+        """The 1-D uint8 view of host slot ``slot``'s whole region for group index ``group``
+        (room for its largest payload): where the peer link parses received payloads."""
         off = self.offsets[group]
         return self.buf[slot, off:off + self.max_sizes[group]]
 

@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 
 from ..codecs import CorruptPageError, get_codec
-from ..pagepool import Namespace, PageInfo, PageKey, PagePool, PoolView
+from ..pagepool import Namespace, PageInfo, PageKey, PagePool, PoolView, namespace_differences
 from .disk import DiskTier
 from .host import HostEntry, HostTier, slot_layout
 from .protocol import Parts, Tier, leading
@@ -247,7 +247,7 @@ class TierManager:
         self._demote(q)
         self.host.settle()
         entries = [self.host.entry(i.hash) for i in q]
-        self._write_down([e for e in entries if e is not None and not e.on_disk])
+        self._write_lower([e for e in entries if e is not None and not e.on_disk])
 
     def _demote(self, infos: Sequence[PageInfo]) -> None:
         self.host.settle(block=False)
@@ -303,7 +303,7 @@ class TierManager:
         self._demote(list(pages))
         self.host.settle()
         entries = [self.host.entry(h) for h in self.host.lru()]
-        self._write_down([e for e in entries if e is not None and not e.on_disk])
+        self._write_lower([e for e in entries if e is not None and not e.on_disk])
         self.flush()
         return sum(self._counters[f"host_to_{t.name}_pages"] for t in self.lower) - before
 
@@ -316,9 +316,9 @@ class TierManager:
         if not self.lower:
             self._counters["dropped_pages"] += len(victims)
             return
-        self._write_down(victims)
+        self._write_lower(victims)
 
-    def _write_down(self, entries: Sequence[HostEntry]) -> None:
+    def _write_lower(self, entries: Sequence[HostEntry]) -> None:
         """Write host entries as records to every lower tier that lacks them (one ``exists``
         and one ``put`` batch per tier); an entry no tier holds afterwards is counted dropped."""
         if not entries or not self.lower:
@@ -351,7 +351,8 @@ class TierManager:
 
     # -- promotion ----------------------------------------------------------------------------------
     def _check_ns(self, namespace: Namespace) -> None:
-        diffs = namespace.compatible(self.namespace)
+        diffs = namespace_differences(namespace.shared_fields(), self.namespace.shared_fields(),
+                                      "the caller", "the tier manager")
         if diffs:
             raise ValueError(f"namespace differs from the tier manager's: {'; '.join(diffs)}")
 
@@ -500,7 +501,7 @@ class TierManager:
         out["host_bytes"] = hs["stored_bytes"]
         out["host_capacity_bytes"] = hs["capacity_bytes"]
         if isinstance(self.disk, DiskTier):
-            d = self.disk.stats
+            d = self.disk.counters()
             out.update({"disk_pages": len(self.disk), "disk_bytes": self.disk.stored_bytes(),
                         "disk_evictions": d["evictions"], "disk_write_errors": d["write_errors"],
                         "disk_deleted": d["deleted"]})

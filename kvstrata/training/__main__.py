@@ -34,19 +34,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="override both stages' step counts (e.g. --steps 20 for a smoke run)")
     p.add_argument("--target-dir", default=None, help="drafter stage: target to train against")
-    g = p.add_argument_group("target")
-    g.add_argument("--target-steps", type=int, default=t.steps)
-    g.add_argument("--target-batch", type=int, default=t.batch_size)
-    g.add_argument("--target-seq-len", type=int, default=t.seq_len)
-    g.add_argument("--target-lr", type=float, default=t.lr)
-    g.add_argument("--target-max-seconds", type=float, default=t.max_seconds)
-    g.add_argument("--target-seed", type=int, default=t.seed)
-    g = p.add_argument_group("drafter")
-    g.add_argument("--drafter-steps", type=int, default=d.steps)
-    g.add_argument("--drafter-batch", type=int, default=d.batch_size)
-    g.add_argument("--drafter-seq-len", type=int, default=d.seq_len)
-    g.add_argument("--drafter-lr", type=float, default=d.lr)
-    g.add_argument("--drafter-max-seconds", type=float, default=d.max_seconds)
+    stages = (("target", t), ("drafter", d))
+    groups = {name: p.add_argument_group(name) for name, _ in stages}
+    for name, cfg in stages:  # the options both stages have, one --<stage>-<option> each
+        for opt, field, kind in (("steps", "steps", int), ("batch", "batch_size", int),
+                                 ("seq-len", "seq_len", int), ("lr", "lr", float),
+                                 ("max-seconds", "max_seconds", float)):
+            groups[name].add_argument(f"--{name}-{opt}", type=kind, default=getattr(cfg, field))
+    groups["target"].add_argument("--target-seed", type=int, default=t.seed)
+    g = groups["drafter"]
     g.add_argument("--drafter-layers", type=int, default=d.num_layers)
     g.add_argument("--taps", default=None, help="comma-separated target layer ids")
     g.add_argument("--anchors", type=int, default=d.anchors)

@@ -91,7 +91,7 @@ class DrafterTrainConfig:
     weight_decay: float = 0.01
     warmup: int = 100
     gamma: float = 7.0
-    max_seconds: float = 120.0
+    max_seconds: float = 280.0
     num_layers: int = 2
     num_taps: int = 4
     block_size: int = 16
@@ -99,7 +99,7 @@ class DrafterTrainConfig:
     selfgen_prompt_len: int = 64    # shortest prompt; lengths are stratified up to the window
     selfgen_new_tokens: int = 256   # greedy tokens generated after each prompt
     selfgen_mix: float = 0.75       # fraction of each batch drawn from the self-generated set
-    selfgen_max_seconds: float = 25.0
+    selfgen_max_seconds: float = 140.0
     gen_batch: int = 1024
     eval_prompts: int = 64
     eval_prompt_len: int = 128

@@ -185,3 +185,26 @@ def test_loading_needs_no_safetensors_package(monkeypatch):
     assert got.fingerprint() == want.fingerprint()
     for (n, a), (_, b) in zip(want.state_dict().items(), got.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_fingerprint_text_is_pinned_not_the_class_layout():
+    """The drafter's namespace must not move when DFlashConfig's fields are re-arranged: its
+    config part is the pinned FINGERPRINT_FIELDS text, equal to what the dataclass repr gave
+    when stored pages were first keyed by it (the shipped drafter's config, literally)."""
+    import dataclasses
+
+    from kvstrata.assets import resolve_model
+    from kvstrata.drafter.config import FINGERPRINT_FIELDS, DFlashConfig
+    from kvstrata.drafter.model import DFlashDrafter
+
+    cfg = DFlashDrafter.from_pretrained(resolve_model("kvstrata-tiny-py/drafter")).cfg
+    assert cfg.fingerprint_text() == (
+        "DFlashConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, "
+        "num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=320, "
+        "rms_norm_eps=1e-06, rope_theta=10000.0, max_position_embeddings=4096, block_size=16, "
+        "num_target_layers=6, mask_token_id=259, target_layer_ids=(1, 2, 3, 4), "
+        "layer_causal=(False, False), layer_window=(None, None), attention_bias=False, "
+        "input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None, "
+        "dtype=torch.bfloat16)")
+    # every field of the class is in the pinned list (a new field must be added there on purpose)
+    assert {f.name for f in dataclasses.fields(DFlashConfig)} == set(FINGERPRINT_FIELDS)

@@ -1,6 +1,8 @@
 """NVFP4 kernels: Triton (through the interpreter) against the torch reference, and the element /
 scale rounding against independent oracles (ml_dtypes' float4_e2m1fn, torch's float8_e4m3fn)."""
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from hypothesis import strategies as st
 
 from kvstrata.kernels.nvfp4 import (E2M1_GRID, e2m1_code, e2m1_value, e4m3_round, e4m3_value,
                                     nvfp4_decode_ref, nvfp4_encode_ref, nvfp4_layout)
-from kvstrata.kernels.nvfp4_triton import nvfp4_decode, nvfp4_encode
+from kvstrata.kernels.nvfp4_triton import (DecodeLaunch, EncodeLaunch, _launch_decode,
+                                           _launch_encode, nvfp4_encode)
 
 # Example counts scale with the hypothesis profile (ci: bounded; nightly: ~50x more).
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -29,9 +32,18 @@ def _pages(shape, dtype, seed, kind="gauss"):
     return x.to(dtype)
 
 
+def _enc(pages, page_ids=None, *, out=None, **launch):
+    """The encoder launched as a variant (kvstrata's own calls use the default launch)."""
+    return _launch_encode(pages, page_ids, EncodeLaunch(**launch), out=out)
+
+
+def _dec(payload, out, page_ids=None, **launch):
+    return _launch_decode(payload, out, page_ids, DecodeLaunch(**launch))
+
+
 def _both(x, ids=None, block_r=4):
     a, fa = nvfp4_encode_ref(x, ids)
-    b, fb = nvfp4_encode(x, ids, block_r=block_r, num_warps=1)
+    b, fb = _enc(x, ids, block_r=block_r, num_warps=1)
     return a, b, fa, fb
 
 
@@ -57,7 +69,7 @@ def test_triton_matches_reference_bit_for_bit(dtype, kind, block_r):
     assert fa.all() and fb.all()
     o_ref, o_tri = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(a, o_ref)
-    nvfp4_decode(a, o_tri, block_r=4, num_warps=1)
+    _dec(a, o_tri, block_r=4, num_warps=1)
     assert torch.equal(o_ref.view(torch.uint8), o_tri.view(torch.uint8))
     assert torch.isfinite(o_ref).all()
     assert (o_ref[1, 1, 0] == 0).all() and (o_ref[0, 0, 1, 1, 2, 16:32] == 0).all()
@@ -74,7 +86,7 @@ def test_triton_matches_reference_property(seed, dtype, layers, heads, psize, db
     assert torch.equal(a, _both(x, block_r=None)[1])
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     assert torch.equal(nvfp4_decode_ref(a, o1).view(torch.uint8),
-                       nvfp4_decode(a, o2, block_r=2, num_warps=1).view(torch.uint8))
+                       _dec(a, o2, block_r=2, num_warps=1).view(torch.uint8))
 
 
 @pytest.mark.parametrize("block_r", [None, 2])
@@ -86,7 +98,7 @@ def test_aligned_payload_rows_use_word_io(dtype, block_r):
     assert a.shape[1] % 8 == 0 and torch.equal(a, b)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(a, o1)
-    nvfp4_decode(a, o2, block_r=4, num_warps=1)
+    _dec(a, o2, block_r=4, num_warps=1)
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
 
 
@@ -99,7 +111,7 @@ def test_decode_variants_match_reference(wpt, flat, head_dim):
     a, _ = nvfp4_encode_ref(x)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(a, o1)
-    nvfp4_decode(a, o2, block_r=4, num_warps=1, words_per_thread=wpt, flat=flat, lanes=False)
+    _dec(a, o2, block_r=4, num_warps=1, words_per_thread=wpt, flat=flat, lanes=False)
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
 
 
@@ -115,8 +127,7 @@ def test_decode_lanes_and_persistent_match_reference(block_r, persistent, stages
     a, _ = nvfp4_encode_ref(x)
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(a, o1)
-    nvfp4_decode(a, o2, block_r=block_r, num_warps=1, lanes=True, persistent=persistent,
-                 stages=stages)
+    _dec(a, o2, block_r=block_r, num_warps=1, lanes=True, persistent=persistent, stages=stages)
     assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
 
 
@@ -125,8 +136,7 @@ def test_encode_persistent_matches_reference(block_r, stages):
     # a grid-stride loop over slabs (fewer programs than slabs), pipelined or not
     x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=12)
     a, fa = nvfp4_encode_ref(x)
-    b, fb = nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False, persistent=1,
-                         stages=stages)
+    b, fb = _enc(x, block_r=block_r, num_warps=1, asm=False, persistent=1, stages=stages)
     assert torch.equal(a, b) and torch.equal(fa, fb)
 
 
@@ -143,7 +153,7 @@ def test_encode_variants_pool_order_and_flags(dtype, rows, variant):
     ids = torch.tensor([4, 2, 0, 5, 1])
     a, fa = nvfp4_encode_ref(x[ids])
     assert fa.tolist() == [True, False, True, True, True]
-    b, fb = nvfp4_encode(x, ids, num_warps=1, asm=False, **variant)
+    b, fb = _enc(x, ids, num_warps=1, asm=False, **variant)
     assert torch.equal(fb, fa)
     ok = fa.nonzero().flatten()
     assert torch.equal(a[ok], b[ok])
@@ -155,7 +165,7 @@ def test_encode_tiles_and_asm_switch():
     x = _special_pages(torch.bfloat16, "outlier", shape=(2, 2, 2, 2, 4, 32), seed=9)
     a, _ = nvfp4_encode_ref(x)
     for block_r in (None, 4, 8):
-        assert torch.equal(nvfp4_encode(x, block_r=block_r, num_warps=1, asm=False)[0], a)
+        assert torch.equal(_enc(x, block_r=block_r, num_warps=1, asm=False)[0], a)
 
 
 @pytest.mark.parametrize("pad", [0, 8, 5])  # 8: word I/O on strided rows; 5: byte I/O
@@ -167,18 +177,18 @@ def test_strided_payload_rows_staging_layout(pad):
     total = dense.shape[1]
     stage = torch.full((3, 16 + total + pad), 0xAB, dtype=torch.uint8)
     view = stage[:, 16:16 + total]
-    _, ok = nvfp4_encode(x, out=view, block_r=2, num_warps=1)
+    _, ok = _enc(x, out=view, block_r=2, num_warps=1)
     assert ok.all() and torch.equal(view, dense)
     assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
     o1, o2 = torch.empty_like(x), torch.empty_like(x)
     nvfp4_decode_ref(dense, o1)
     for lanes in (True, False):
         o2.zero_()
-        nvfp4_decode(view, o2, block_r=4, num_warps=1, lanes=lanes)
+        _dec(view, o2, block_r=4, num_warps=1, lanes=lanes)
         assert torch.equal(o1.view(torch.uint8), o2.view(torch.uint8))
     for kw in (dict(persistent=1), dict(lanes=True)):
         view.zero_()
-        _, ok = nvfp4_encode(x, out=view, block_r=None, num_warps=1, **kw)
+        _, ok = _enc(x, out=view, block_r=None, num_warps=1, **kw)
         assert ok.all() and torch.equal(view, dense)
     assert (stage[:, :16] == 0xAB).all() and (stage[:, 16 + total:] == 0xAB).all()
     with pytest.raises(ValueError, match="uint8"):
@@ -212,7 +222,7 @@ def test_cuda_triton_matches_cpu_reference(dtype, kind):
         xc = x.cuda()
         for kw in (dict(), dict(lanes=False), dict(block_r=4), dict(num_warps=8)):
             for asm in (None, False):  # None: inline PTX where the GPU has it (sm_89+)
-                got, fg = nvfp4_encode(xc, asm=asm, **kw)
+                got, fg = _enc(xc, asm=asm, **kw)
                 assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr), kw
         for pad in (8, 5):  # strided payload rows, int32 / byte stores
             stage = torch.zeros(ref.shape[0], 16 + ref.shape[1] + pad, dtype=torch.uint8,
@@ -220,8 +230,8 @@ def test_cuda_triton_matches_cpu_reference(dtype, kind):
             got, fg = nvfp4_encode(xc, out=stage[:, 16:16 + ref.shape[1]])
             assert torch.equal(got.cpu(), ref) and torch.equal(fg.cpu(), fr)
         for block_r, wpt, flat in ((8, 1, False), (32, 4, False), (16, 2, True), (64, 4, True)):
-            o = nvfp4_decode(ref.cuda(), torch.empty_like(xc), block_r=block_r,
-                             words_per_thread=wpt, flat=flat)
+            o = _dec(ref.cuda(), torch.empty_like(xc), block_r=block_r,
+                     words_per_thread=wpt, flat=flat)
             assert torch.equal(o.cpu().view(torch.uint8), o_ref.view(torch.uint8))
         ids = torch.tensor([1, 0], device="cuda")
         got, _ = nvfp4_encode(xc, ids)
@@ -232,11 +242,11 @@ def test_page_ids_gather_and_scatter_match_dense():
     pool = _pages((6, 1, 2, 2, 4, 32), torch.bfloat16, seed=3)
     ids = torch.tensor([4, 0, 5])
     dense, _ = nvfp4_encode_ref(pool[ids])
-    for fn in (nvfp4_encode_ref, lambda p, i: nvfp4_encode(p, i, block_r=4, num_warps=1),
-               lambda p, i: nvfp4_encode(p, i, num_warps=1)):
+    for fn in (nvfp4_encode_ref, lambda p, i: _enc(p, i, block_r=4, num_warps=1),
+               lambda p, i: _enc(p, i, num_warps=1)):
         got, _ = fn(pool, ids)
         assert torch.equal(got, dense)
-    for fn in (nvfp4_decode_ref, lambda p, o, i: nvfp4_decode(p, o, i, block_r=4, num_warps=1)):
+    for fn in (nvfp4_decode_ref, lambda p, o, i: _dec(p, o, i, block_r=4, num_warps=1)):
         out = torch.full_like(pool, 7.0)
         fn(dense, out, ids)
         assert (out[[1, 2, 3]] == 7.0).all()  # untouched pages stay untouched
@@ -250,7 +260,7 @@ def test_nonfinite_and_huge_pages_are_flagged():
     x[2, 0, 0, 0, 0, 0] = float("-inf")
     x[3, 0, 0, 0, 0, 1] = 2.0**127  # MAX_AMAX: decode could overflow fp32
     x[0, 0, 0, 0, 0, 1] = 2.0**126
-    for fn in (nvfp4_encode_ref, lambda p: nvfp4_encode(p, block_r=2, num_warps=1)):
+    for fn in (nvfp4_encode_ref, lambda p: _enc(p, block_r=2, num_warps=1)):
         _, ok = fn(x)
         assert ok.tolist() == [True, False, False, False]
 
@@ -277,6 +287,19 @@ def test_layout_and_bad_shapes():
     payload, _ = nvfp4_encode_ref(torch.zeros(1, 1, 2, 1, 1, 16))
     with pytest.raises(ValueError, match="uint8"):
         nvfp4_decode_ref(payload[:, :-1], torch.zeros(1, 1, 2, 1, 1, 16))
+
+
+@pytest.mark.parametrize("cls, kw, msg", [
+    (EncodeLaunch, dict(block_r=3), "EncodeLaunch.block_r must be a power of two or None, got 3"),
+    (EncodeLaunch, dict(num_warps=0), "EncodeLaunch.num_warps must be a power of two, got 0"),
+    (EncodeLaunch, dict(persistent=-1), "EncodeLaunch.persistent must be an integer >= 0"),
+    (EncodeLaunch, dict(stages=True), "EncodeLaunch.stages must be an integer >= 1, got True"),
+    (DecodeLaunch, dict(block_r=None), "DecodeLaunch.block_r must be a power of two, got None"),
+    (DecodeLaunch, dict(words_per_thread=6), "DecodeLaunch.words_per_thread must be a power of two"),
+])
+def test_bad_launch_is_refused_naming_the_field(cls, kw, msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        cls(**kw)
 
 
 def test_e2m1_grid_matches_ml_dtypes_on_every_rounding():

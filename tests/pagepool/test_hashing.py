@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstrata.pagepool import LAYOUT_VERSION, KVGroupSpec, Namespace, hash_page, page_hashes
+from kvstrata.pagepool import (LAYOUT_VERSION, KVGroupSpec, Namespace, hash_page,
+                               namespace_differences, page_hashes)
 
 G = (KVGroupSpec("target", 2, 2, 64, "bf16", "nvfp4"), KVGroupSpec("draft", 1, 2, 64, "bf16", "lossless"))
 NS = Namespace("qwen3-tiny@1", G, 4, drafter="dflash-tiny@1")
@@ -87,6 +88,24 @@ def test_every_namespace_field_matters(change):
     other = dataclasses.replace(NS, **change)
     assert other.digest != NS.digest
     assert not set(page_hashes(other, list(range(16)))) & set(page_hashes(NS, list(range(16))))
+
+
+def _differences(a: Namespace, b: Namespace) -> list[str]:
+    return namespace_differences(a.shared_fields(), b.shared_fields(), "here", "there")
+
+
+def test_namespace_differences_name_each_field_but_the_salt():
+    assert _differences(NS, NS.with_salt("tenant")) == []      # a request's salt is not shared
+    other = dataclasses.replace(NS, target="qwen3-tiny@2", page_size=8,
+                                groups=(dataclasses.replace(G[0], num_layers=3), G[1]))
+    assert _differences(NS, other) == [
+        "page_size: 4 at here vs 8 at there",
+        "target: 'qwen3-tiny@1' at here vs 'qwen3-tiny@2' at there",
+        "groups: [['target', 2, 2, 64, 'bfloat16'], ['draft', 1, 2, 64, 'bfloat16']] at here vs "
+        "[['target', 3, 2, 64, 'bfloat16'], ['draft', 1, 2, 64, 'bfloat16']] at there"]
+    assert _differences(dataclasses.replace(NS, drafter="none"), NS) == [
+        "drafter: here has no drafter ('none' at here vs 'dflash-tiny@1' at there); the draft "
+        "KV cannot be shared"]
 
 
 def test_codec_choice_does_not_change_namespace():

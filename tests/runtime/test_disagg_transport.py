@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
 import pytest
 import torch
+
+from kvstrata.testing.redis import free_port
 
 P = 4
 TOKENS = [int(x) for x in torch.randint(0, 1000, (23,), generator=torch.Generator().manual_seed(1))]
@@ -77,12 +78,6 @@ class _DyingChannel:
 
     def __getattr__(self, name):
         return getattr(self.ch, name)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(rank, port, scenario, q):
@@ -156,7 +151,7 @@ def _run(rank, port, scenario, q):
 def _scenario(name):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_run, args=(r, port, name, q)) for r in (0, 1)]
     for p in procs:
         p.start()

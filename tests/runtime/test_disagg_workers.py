@@ -87,7 +87,7 @@ def test_prefill_holds_the_sequence_and_resume_finishes_it():
     reqs = items[:2]
     for r, p in zip(reqs, PROMPTS):
         assert r.state == PREFILLED and r.tokens[:-1] == p and r.num_computed == len(p)
-        assert llm.mgr.seqs[r.rid_key].token_ids == p         # held, every prompt token committed
+        assert llm.mgr.seqs[r.seq_id].token_ids == p         # held, every prompt token committed
     with pytest.raises(ValueError, match="resume needs a DECODE request"):
         llm.resume(reqs)                                        # still PREFILLED
     for r in reqs:
@@ -142,7 +142,7 @@ def test_draft_kv_received_equals_sent_bit_for_bit(encode):
     P = gen_llm.pool.page_size
     assert len(reqs) == len(PROMPTS) and all(s.pages_sent == 4 for s in gen.transfers)
     for r in reqs:
-        seq = gen_llm.mgr.seqs[r.rid_key]
+        seq = gen_llm.mgr.seqs[r.seq_id]
         # Every full page: the context worker still holds it (cached) under the same hash.
         for i, h in enumerate(seq.hashes):
             src = ctx_llm.pool.lookup(h)
@@ -159,7 +159,7 @@ def test_draft_kv_received_equals_sent_bit_for_bit(encode):
         # link, so the requests' pages appear one after another)
         blob, at = b"".join(t.numpy().tobytes() for t in rec[0].sent), 0
         for r in reqs:
-            for pid in gen_llm.mgr.seqs[r.rid_key].page_ids:
+            for pid in gen_llm.mgr.seqs[r.seq_id].page_ids:
                 for name in ("target", "draft"):
                     at = blob.find(gen_llm.pool.kv[name][pid].view(torch.uint8).numpy().tobytes(),
                                    at)

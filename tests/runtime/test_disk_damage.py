@@ -46,8 +46,8 @@ def test_engine_survives_a_damaged_index_and_serves_from_disk_after_the_rebuild(
     assert [w.token_ids for w in warm] == [c.token_ids for c in cold]
     disk = llm.tiers.disk
     if kind != "meta pages":                    # found on the way: a miss, then a rebuild
-        assert disk.stats["index_errors"] >= 1
-        assert warm[0].num_cached_tokens == 0 and disk.stats["rebuilds"] == 1
+        assert disk.counters()["index_errors"] >= 1
+        assert warm[0].num_cached_tokens == 0 and disk.counters()["rebuilds"] == 1
         _to_disk(llm)
         again = llm.generate(PROMPTS, SP)
         assert [a.num_cached_tokens for a in again] == [CACHED] * len(PROMPTS)
@@ -55,7 +55,7 @@ def test_engine_survives_a_damaged_index_and_serves_from_disk_after_the_rebuild(
     llm.tiers.close()
     # a new engine on the same directory: meta pages are caught before mapping and rebuilt
     llm2 = _llm(ckpts, path)
-    assert llm2.tiers.disk.stats["rebuilds"] == (kind == "meta pages")
+    assert llm2.tiers.disk.counters()["rebuilds"] == (kind == "meta pages")
     again = llm2.generate(PROMPTS, SP)
     assert [a.num_cached_tokens for a in again] == [CACHED] * len(PROMPTS)
     assert [a.token_ids for a in again] == [c.token_ids for c in cold]

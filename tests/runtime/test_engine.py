@@ -73,8 +73,10 @@ def test_continuous_batching_with_small_budgets(ckpts):
     assert tight.stats()["engine"]["steps"] > max(len(o.acceptance_lengths) for o in outs)
 
 
-def test_arena_baseline_loses_context_after_a_prefix_hit(ckpts):
-    """The arena keeps tokens exact (verification is lossless) but drafts from the tail only."""
+def test_arena_baseline_keeps_tokens_exact_after_a_prefix_hit(ckpts):
+    """The arena drafts from the uncached tail only, yet verification keeps the tokens exact.
+    This untrained pair's AL says nothing about context; the AL loss is asserted with the
+    trained pair (:func:`test_arena_loses_acceptance_after_a_prefix_hit_and_paged_does_not`)."""
     llm = LLM(ckpts["agree"][0], ckpts["drafter"][0], _cache(drafter_backend="arena"))
     paged = LLM(ckpts["agree"][0], ckpts["drafter"][0], _cache())
     sp = SamplingParams(max_tokens=15)

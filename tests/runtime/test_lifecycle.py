@@ -138,18 +138,19 @@ def test_engine_core_steps_equal_generate_and_abort_frees(ckpts):
         if steps == 2:       # requests arrive while others run
             ids.append(llm.add_request(PROMPTS[3], sp, request_id="late"))
             got["late"], als["late"] = [], []
-    for i, rid in enumerate(ids):
-        assert got[rid] == ref[i].token_ids and als[rid] == ref[i].acceptance_lengths
-        assert finished[rid] == "length"
+    for i, request_id in enumerate(ids):
+        assert got[request_id] == ref[i].token_ids and als[request_id] == ref[i].acceptance_lengths
+        assert finished[request_id] == "length"
     # Abort mid-flight: pages are freed at once, a final delta says so.
-    rid = llm.add_request(PROMPTS[4], SamplingParams(max_tokens=40))
+    request_id = llm.add_request(PROMPTS[4], SamplingParams(max_tokens=40))
     llm.step()
     llm.step()
     assert llm.stats()["pool"]["in_use"] > 0
-    assert llm.abort(rid) is True and llm.abort(rid) is False and llm.abort("nope") is False
+    assert llm.abort(request_id) is True and llm.abort(request_id) is False
+    assert llm.abort("nope") is False
     assert llm.stats()["pool"]["in_use"] == 0
     (d,) = llm.step()
-    assert d.request_id == rid and d.finished and d.finish_reason == "abort"
+    assert d.request_id == request_id and d.finished and d.finish_reason == "abort"
     _clean(llm)
 
 

@@ -59,7 +59,7 @@ def _llm(ckpts, **kw):
 
 def _decode_items(reqs, llm, ns=None):
     ns = ns or [llm.block_size] * len(reqs)
-    return [StepItem(r.rid_key, r.num_computed, n, [r.tokens[-1]], True, r.params)
+    return [StepItem(r.seq_id, r.num_computed, n, [r.tokens[-1]], True, r.params)
             for r, n in zip(reqs, ns)]
 
 
@@ -74,7 +74,7 @@ def _twice(llm, reqs, first, second, ns=None):
     wrote it)."""
     items = _decode_items(reqs, llm, ns)
     for r, it in zip(reqs, items):
-        llm.mgr.reserve(r.rid_key, it.start + it.n)
+        llm.mgr.reserve(r.seq_id, it.start + it.n)
     snap = _snapshot(llm)
     a = first(items)
     kv_a = _snapshot(llm)
@@ -94,7 +94,7 @@ def test_padding_rows_change_nothing(ckpts):
     assert all(1 <= len(t) <= llm.block_size for t in exact)
     # Rows the three sequences own may differ in the last bits (different matmul shapes);
     # every other page is untouched.
-    own = {p for r in reqs for p in llm.mgr.seqs[r.rid_key].page_ids}
+    own = {p for r in reqs for p in llm.mgr.seqs[r.seq_id].page_ids}
     others = [p for p in range(llm.pool.num_pages) if p not in own]
     for g in llm.pool.kv:
         assert torch.equal(llm.pool.kv[g][others], snap[g][others])
@@ -110,7 +110,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
     tokens and K/V of the packed general path on the same inputs, step by step."""
     llm = _llm(ckpts)
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=40))
-    by = {r.rid: r for r in reqs}
+    by = {r.request_id: r for r in reqs}
     for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
         rs = [by[i] for i in order]
         general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
@@ -125,7 +125,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
 def _commit(llm, rs, produced):
     for r, new in zip(rs, produced):           # commit as the engine does
         commit = ([r.tokens[-1]] + new)[:len(new)]
-        llm.mgr.commit(r.rid_key, commit)
+        llm.mgr.commit(r.seq_id, commit)
         r.num_computed += len(commit)
         r.tokens.extend(new)
 

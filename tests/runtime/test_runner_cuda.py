@@ -37,11 +37,11 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
     for step, sel in enumerate(([0, 1, 2, 3, 4], [4, 2], [1], [0, 1, 2, 3, 4], [3, 0, 2])):
         rs = [reqs[i] for i in sel]
         ns = [min(n, B) for n in short.get(step, [B] * len(rs))]
-        items = [StepItem(r.rid_key, r.num_computed, n, [r.tokens[-1]], True, r.params)
+        items = [StepItem(r.seq_id, r.num_computed, n, [r.tokens[-1]], True, r.params)
                  for r, n in zip(rs, ns)]
         assert run.decode_ok(items)
         for r, it in zip(rs, items):
-            llm.mgr.reserve(r.rid_key, it.start + it.n)
+            llm.mgr.reserve(r.seq_id, it.start + it.n)
         snap = {g: t.clone() for g, t in llm.pool.kv.items()}
         graph = run.decode(items)
         kv_graph = {g: t.clone() for g, t in llm.pool.kv.items()}
@@ -58,7 +58,7 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
             assert torch.equal(llm.pool.kv[g], kv_graph[g]), f"step {step}, group {g}"
         for r, new in zip(rs, graph):
             commit = ([r.tokens[-1]] + new)[:len(new)]
-            llm.mgr.commit(r.rid_key, commit)
+            llm.mgr.commit(r.seq_id, commit)
             r.num_computed += len(commit)
             r.tokens.extend(new)
     assert run.stats()["graph_steps"] == 5

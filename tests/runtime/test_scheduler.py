@@ -7,9 +7,10 @@ from kvstrata.runtime.scheduler import DECODE, DONE, PREFILL, Request, Scheduler
 from kvstrata.tokenizer import ByteTokenizer, Detokenizer, encode
 
 
-def _req(rid, prompt_len=10, state=DECODE, computed=None, max_tokens=50, **sp):
+def _req(request_id, prompt_len=10, state=DECODE, computed=None, max_tokens=50, **sp):
     prompt = list(range(1, prompt_len + 1))
-    r = Request(rid=rid, prompt=prompt, params=SamplingParams(max_tokens=max_tokens, **sp),
+    r = Request(request_id=request_id, prompt=prompt,
+                params=SamplingParams(max_tokens=max_tokens, **sp),
                 max_length=prompt_len + max_tokens, tokens=list(prompt), state=state)
     r.num_computed = prompt_len if computed is None else computed
     return r
@@ -20,10 +21,10 @@ def test_generators_first_within_budget_then_rotated():
     a, b, c = _req("a"), _req("b"), _req("c")
     s.running.extend([a, b, c])
     p1 = s.schedule()
-    assert [(r.rid, n) for r, n in p1.decode] == [("a", 4), ("b", 4)] and p1.prefill == []
+    assert [(r.request_id, n) for r, n in p1.decode] == [("a", 4), ("b", 4)] and p1.prefill == []
     # Those left out go first next step.
     p2 = s.schedule()
-    assert [r.rid for r, _ in p2.decode] == ["c", "a"]
+    assert [r.request_id for r, _ in p2.decode] == ["c", "a"]
 
 
 def test_prefill_chunks_fill_what_is_left():
@@ -33,14 +34,14 @@ def test_prefill_chunks_fill_what_is_left():
     q = _req("q", prompt_len=5, state=PREFILL, computed=0)
     s.running.extend([p, g, q])
     plan = s.schedule()
-    assert [(r.rid, n) for r, n in plan.decode] == [("g", 4)]
-    assert [(r.rid, n) for r, n in plan.prefill] == [("p", 5)]
+    assert [(r.request_id, n) for r, n in plan.decode] == [("g", 4)]
+    assert [(r.request_id, n) for r, n in plan.prefill] == [("p", 5)]
     assert plan.num_tokens == 9
     # A resumed request prefills up to what it had computed, not only its prompt.
     p.resume_to, p.num_computed = 17, 12
     plan = Scheduler(8, 100, 4)
     plan.running.append(p)
-    assert [(r.rid, n) for r, n in plan.schedule().prefill] == [("p", 5)]
+    assert [(r.request_id, n) for r, n in plan.schedule().prefill] == [("p", 5)]
 
 
 def test_last_block_is_shortened_to_max_length_and_seats_count():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvstrata.testing.redis import free_port
+
 MODEL = "kvstrata-tiny-py"
 API_KEY = "test-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

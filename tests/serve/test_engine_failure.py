@@ -16,9 +16,11 @@ import openai
 import pytest
 import uvicorn
 
-from serverproc import MODEL, free_port
+from serverproc import MODEL
+
 from kvstrata.runtime import LLM, CacheConfig
 from kvstrata.serve import ServerConfig, build_app
+from kvstrata.testing.redis import free_port
 
 
 def test_step_failure_fails_open_requests_and_health():

@@ -47,7 +47,7 @@ def test_capacity_evicts_least_recently_accessed_and_order_survives_restart(tmp_
         assert d.keys_by_age() == [_key(1), _key(2), _key(0)]
         assert d.put_batch(_items([_key(3)])) == 1
         assert d.contains([_key(i) for i in range(4)]) == [True, False, True, True]
-        assert d.stats["evictions"] == 1
+        assert d.counters()["evictions"] == 1
         assert d.keys_by_age() == [_key(2), _key(0), _key(3)]
 
 
@@ -100,7 +100,7 @@ def test_map_full_fails_cleanly_and_shrinks_capacity(tmp_path, caplog):
                 stored += d.put_batch(_items([_key(b * 4 + i) for i in range(4)], size=32))
         n = len(d)
         assert 0 < n < 800 and stored >= n
-        assert d.stats["write_errors"] > 0
+        assert d.counters()["write_errors"] > 0
         with d.reader() as get:          # everything visible is whole
             for k in d.keys_by_age():
                 assert b"".join(get(k)) == k * 2
@@ -117,7 +117,7 @@ def test_io_error_drops_batch_counts_and_logs_once_per_burst(tmp_path, caplog):
         with caplog.at_level(logging.WARNING, "kvstrata.tiers.disk"):
             for i in range(1, 6):
                 assert d.put_batch(_items([_key(i)])) == 0
-            assert d.stats["write_errors"] == 5
+            assert d.counters()["write_errors"] == 5
             assert len([r for r in caplog.records if "write failed" in r.message]) == 1
             assert "disk full" in caplog.records[0].message
             d.before_commit = None
@@ -174,7 +174,7 @@ def test_eviction_removes_every_part_and_empty_segments(tmp_path):
                   segment_bytes=200) as d:
         for i in range(4):
             d.put_batch([(_key(i), [b"h" * 100, b"a" * 100, b"b" * 100])])
-        assert d.keys_by_age() == [_key(2), _key(3)] and d.stats["evictions"] == 2
+        assert d.keys_by_age() == [_key(2), _key(3)] and d.counters()["evictions"] == 2
         with d.env.begin() as txn:
             assert txn.stat(d._byseg)["entries"] == 2
         # one record per segment (its 200 payload bytes fill it): the segments of the evicted
@@ -183,7 +183,7 @@ def test_eviction_removes_every_part_and_empty_segments(tmp_path):
         e = 12 + 16 + 3 * 8 + 300                   # frame + parts: one entry per segment
         assert segs == {3: (e, 1, e), 4: (e, 1, e)}
         assert sorted(os.listdir(d.segdir)) == sorted(os.path.basename(d.files.path(s)) for s in segs)
-        assert d.stats["segments_deleted"] == 2
+        assert d.counters()["segments_deleted"] == 2
 
 
 def test_writer_open_removes_orphans_and_torn_tails(tmp_path):
@@ -201,7 +201,7 @@ def test_writer_open_removes_orphans_and_torn_tails(tmp_path):
             assert [bytes(p) for p in get(_key(2))] == [b"h2", b"p2", b"q2"]
         assert r.sweep_orphans() == 0
     with DiskTier(path, map_size=1 << 22) as d:
-        assert d.stats["orphans"] == 2
+        assert d.counters()["orphans"] == 2
         assert not os.path.exists(stray) and os.path.getsize(d.files.path(seg)) == end
         with d.reader() as get:
             assert [bytes(p) for p in get(_key(1))] == [b"h1", b"p1" * 10]
@@ -260,7 +260,7 @@ def test_segments_are_reclaimed_under_capacity_pressure(tmp_path):
             assert d.put_batch([_rec(i)]) == 1
         assert d.segments() == {7: (2 * e, 2, 2 * e), 8: (2 * e, 2, 2 * e), 9: (2 * e, 2, 2 * e)}
         assert _ids(d.keys_by_age()) == [6, 7, 8, 9, 10, 11]
-        st = d.stats
+        st = d.counters()
         assert (st["evictions"], st["compactions"], st["moved_records"], st["moved_bytes"],
                 st["segments_deleted"]) == (6, 6, 6, 6 * 1017, 6)
         assert sorted(os.listdir(d.segdir)) == [os.path.basename(d.files.path(s)) for s in (7, 8, 9)]
@@ -297,7 +297,7 @@ while time.monotonic() - t0 < float(sys.argv[2]):
                 hits += 1
             time.sleep(0.0002)
 print(json.dumps({"hits": hits, "misses": misses, "wrong": wrong, "short": short,
-                  "relocated": d.stats["relocated"]}))
+                  "relocated": d.counters()["relocated"]}))
 """
 
 
@@ -321,8 +321,8 @@ def test_reader_process_never_gets_a_wrong_page_while_segments_are_reclaimed(tmp
         res = json.loads(out)
         assert res["wrong"] == [] and res["short"] == [], res
         assert res["hits"] > 100 and res["relocated"] > 0, res
-        assert d.stats["write_errors"] == 0, d.stats
-        assert d.stats["compactions"] > 10 and d.stats["segments_deleted"] > 10, d.stats
+        assert d.counters()["write_errors"] == 0, d.counters()
+        assert d.counters()["compactions"] > 10 and d.counters()["segments_deleted"] > 10, d.counters()
         with d.reader() as get:
             for k in d.keys_by_age():
                 assert [bytes(p) for p in get(k)] == _rec(int.from_bytes(k, "little"), 4096)[1]

@@ -70,7 +70,7 @@ def test_damaged_index_at_open_is_rebuilt_and_every_page_served(tmp_path, kind, 
         DiskTier(s.path, readonly=True).close()
     with caplog.at_level(logging.WARNING, "kvstrata.tiers.disk"):
         s2 = Stack(tmp_path, num_pages=16, host_pages=4)    # ... a writer rebuilds, once
-    assert s2.disk.stats["rebuilds"] == 1 and s2.disk.stats["rebuilt_records"] == 12
+    assert s2.disk.counters()["rebuilds"] == 1 and s2.disk.counters()["rebuilt_records"] == 12
     assert len([r for r in caplog.records if "rebuilt it from" in r.message]) == 1
     _all_served(s2, prompts)
     assert s2.tiers.stats()["checksum_failures"] == 0
@@ -87,7 +87,7 @@ def test_damaged_index_under_a_running_stack_is_a_miss_then_rebuilt(tmp_path, ki
         first = s.run(prompts[0])          # never raises: a miss, or served if undetected
         s.pool.evict(s.pool.num_cached)
         _all_served(s, prompts[1:])
-    st = s.disk.stats
+    st = s.disk.counters()
     if kind in ("page type bits", "records root page", "truncated"):
         assert first.cached_from.get("lower", 0) == 0 and st["index_errors"] >= 1
         assert st["rebuilds"] == 1 and st["rebuilt_records"] == 12
@@ -130,7 +130,7 @@ def test_record_damaged_in_its_segment_is_a_miss_after_a_rebuild(tmp_path):
         f.write(bytes([b[0] ^ 0x20]))
     damage.delete(s.path)
     s2 = Stack(tmp_path, num_pages=16, host_pages=4)
-    assert s2.disk.stats["rebuilt_records"] == 11 and s2.disk.contains([victim]) == [False]
+    assert s2.disk.counters()["rebuilt_records"] == 11 and s2.disk.contains([victim]) == [False]
     want = [hs.index(victim) if victim in hs else PAGES
             for hs in (page_hashes(s2.ns, p)[:PAGES] for p in prompts)]
     assert [s2.run(p).cached_from.get("lower", 0) for p in prompts] == want
@@ -168,14 +168,14 @@ def test_unclean_shutdown_or_a_changed_file_walks_the_index_in_a_child(tmp_path)
     damage.flip_page_type(s.path, [damage.root_page(s.path, b"byseg")])
     os.utime(mdb, ns=(st.st_atime_ns, st.st_mtime_ns))   # damage the stamp cannot see
     with DiskTier(s.path, map_size=1 << 24) as d:  # a clean shutdown, the same file: no walk
-        assert d.stats["rebuilds"] == 0 and len(d) == 12
+        assert d.counters()["rebuilds"] == 0 and len(d) == 12
     open(os.path.join(s.path, "writer.active"), "w").close()   # as a killed writer leaves it
     with DiskTier(s.path, map_size=1 << 24) as d:
-        assert d.stats["rebuilds"] == 1 and len(d) == 12
+        assert d.counters()["rebuilds"] == 1 and len(d) == 12
     assert walk_index(str(s.path)) is None
     damage.flip_page_type(s.path, [damage.root_page(s.path, b"lru")])   # written meanwhile
     with DiskTier(s.path, map_size=1 << 24) as d:
-        assert d.stats["rebuilds"] == 1 and len(d) == 12
+        assert d.counters()["rebuilds"] == 1 and len(d) == 12
 
 
 def test_rebuild_impossible_moves_the_files_aside_and_starts_empty(tmp_path, monkeypatch, caplog):
@@ -189,7 +189,7 @@ def test_rebuild_impossible_moves_the_files_aside_and_starts_empty(tmp_path, mon
     monkeypatch.setattr(diskindex, "rebuild", broken)
     with caplog.at_level(logging.ERROR, "kvstrata.tiers.disk"):
         with DiskTier(s.path, map_size=1 << 24) as d:
-            assert len(d) == 0 and d.stats["moved_aside"] == 1
+            assert len(d) == 0 and d.counters()["moved_aside"] == 1
             assert d.put_batch([(b"k" * 16, [b"x"])]) == 1
     aside = [n for n in os.listdir(s.path) if n.startswith("damaged-")]
     assert len(aside) == 1 and {"data.mdb", "segments"} <= set(os.listdir(s.path / aside[0]))
@@ -206,7 +206,7 @@ def test_a_walk_that_dies_reports_the_signal_and_the_writer_rebuilds(tmp_path, m
     problem = walk_index(str(s.path))
     assert problem == "reading the index killed the reading process (signal 6)"
     with DiskTier(s.path, map_size=1 << 24, check=True) as d:
-        assert d.stats["rebuilds"] == 1 and len(d) == 12
+        assert d.counters()["rebuilds"] == 1 and len(d) == 12
 
 
 def test_a_malformed_index_value_is_a_counted_miss_then_rebuilt(tmp_path):
@@ -219,7 +219,7 @@ def test_a_malformed_index_value_is_a_counted_miss_then_rebuilt(tmp_path):
             for hs in (page_hashes(s.ns, p)[:PAGES] for p in prompts)]
     got = [s.run(p).cached_from.get("lower", 0) for p in prompts]
     assert [min(g, w) for g, w in zip(got, want)] == want     # a miss at the victim at most
-    assert s.disk.stats["index_errors"] >= 1 and s.disk.stats["rebuilds"] == 1
+    assert s.disk.counters()["index_errors"] >= 1 and s.disk.counters()["rebuilds"] == 1
     s.pool.evict(s.pool.num_cached)
     s.tiers.drain_host()
     _all_served(s, prompts)                 # the rebuilt index serves the victim again
@@ -241,11 +241,11 @@ def test_a_segment_cut_under_a_live_map_is_a_miss_not_a_bus_error(tmp_path):
 
 def test_repair_on_request_and_a_sound_index(tmp_path):
     s, prompts = _filled(tmp_path)
-    assert s.disk.repair() is None and s.disk.stats["rebuilds"] == 0
+    assert s.disk.repair() is None and s.disk.counters()["rebuilds"] == 0
     damage.flip_page_type(s.path, [damage.root_page(s.path, b"byseg")])
     problem = s.disk.repair()           # the walk finds what no read has met yet
-    assert problem.startswith("reading the index failed") and s.disk.stats["rebuilds"] == 1
-    assert s.disk.repair(force=True) is None and s.disk.stats["rebuilds"] == 2
+    assert problem.startswith("reading the index failed") and s.disk.counters()["rebuilds"] == 1
+    assert s.disk.repair(force=True) is None and s.disk.counters()["rebuilds"] == 2
     _all_served(s, prompts)
     s.tiers.close()
     with pytest.raises(ValueError, match="readonly"):

@@ -45,9 +45,31 @@ class DisaggResult:
 
 
 def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for the workers' rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def collect_reports(q, procs: Sequence, timeout_s: float | None = None) -> list:
+    """What the worker processes ``procs`` put on ``q``, one item each: returns once every one
+    reported, one died without reporting, or ``timeout_s`` passed (None: no limit); every
+    process is joined before it returns (one still alive after 10 s is killed)."""
+    got: list = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(got) < len(procs) and (deadline is None or time.monotonic() < deadline):
+        if not q.empty():
+            got.append(q.get())
+        elif any(p.exitcode not in (None, 0) for p in procs) and q.empty():
+            break               # a worker died without reporting
+        else:
+            time.sleep(0.02)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return got
 
 
 def _worker(rank: int, cfg: dict[str, Any], q) -> None:
@@ -123,21 +145,8 @@ def launch_1p1d(prompts: Sequence[Sequence[int]],
     for p in procs:
         p.start()
     res, crashed = DisaggResult(), []
-    got: dict[str, tuple] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(got) < 2 and time.monotonic() < deadline:
-        if not q.empty():
-            role, status, payload = q.get()
-            got[role] = (status, payload)
-        elif any(p.exitcode not in (None, 0) for p in procs) and q.empty():
-            break               # a worker died without reporting
-        else:
-            time.sleep(0.02)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    got = {role: (status, payload)
+           for role, status, payload in collect_reports(q, procs, timeout_s)}
     for rank, role in enumerate(("context", "generation")):
         status, payload = got.get(role, ("lost", f"exit code {procs[rank].exitcode}"))
         if status in ("error", "lost"):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...pagepool import (KVCacheManager, Namespace, PageInfo, PoolView, SequenceState,
-                         hash_page, page_hashes)
+                         hash_page, namespace_differences, page_hashes)
 from ...tiers.peer import PageChannel, PeerError, PeerLink
 
 __all__ = ["NamespaceMismatchError", "PageChannel", "TransferError", "TransferStats",
@@ -61,18 +61,12 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
 
 
-def namespace_fields(ns: Namespace) -> dict[str, Any]:
-    return {"protocol": PROTOCOL_VERSION, "target": ns.target, "drafter": ns.drafter,
-            "page_size": ns.page_size, "layout_version": ns.layout_version,
-            "groups": [list(g.fingerprint_fields()) for g in ns.groups]}
-
-
 def handshake(channel: PageChannel, namespace: Namespace, role: str) -> None:
     """Exchange namespaces; raise :class:`NamespaceMismatchError` naming every differing field.
 
     Both sides send first-then-receive in a fixed order (context first) so Gloo cannot deadlock.
     """
-    mine = namespace_fields(namespace)
+    mine = {"protocol": PROTOCOL_VERSION, **namespace.shared_fields()}
     if role == "context":
         channel.send_obj(mine)
         theirs = channel.recv_obj()
@@ -82,15 +76,10 @@ def handshake(channel: PageChannel, namespace: Namespace, role: str) -> None:
     else:
         raise ValueError(f"role must be 'context' or 'generation', got {role!r}")
     diffs = []
-    for key in ("protocol", "layout_version", "page_size", "target", "drafter", "groups"):
-        a, b = mine.get(key), theirs.get(key)
-        if a != b:
-            if key == "drafter" and "none" in (a, b):
-                who = "this worker" if a == "none" else "the peer"
-                diffs.append(f"drafter: {who} has no drafter ({a!r} here vs {b!r} at the peer); "
-                             "the draft KV cannot be handed over")
-            else:
-                diffs.append(f"{key}: {a!r} here vs {b!r} at the peer")
+    if theirs.get("protocol") != PROTOCOL_VERSION:
+        diffs.append(f"protocol: {PROTOCOL_VERSION!r} at this worker vs "
+                     f"{theirs.get('protocol')!r} at the peer")
+    diffs += namespace_differences(mine, theirs, "this worker", "the peer")
     if diffs:
         raise NamespaceMismatchError(f"{role} worker refuses the peer: " + "; ".join(diffs))
 

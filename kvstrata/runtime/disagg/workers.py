@@ -9,10 +9,10 @@ decodes them all with speculation through :meth:`LLM.resume`.
 
 Wire protocol on top of the transport, context -> generation, one message per request:
 
-- ``{"op": "handoff", "rid": i}`` followed by one :func:`send_sequence` exchange;
+- ``{"op": "handoff", "request_id": i}`` followed by one :func:`send_sequence` exchange;
 - ``{"op": "output", "output": {...}}``: a request that is final without decoding (rejected, or
   finished at its first token);
-- ``{"op": "failed", "rid": i, "prompt": [...], "error": "..."}``: a handoff that failed
+- ``{"op": "failed", "request_id": i, "prompt": [...], "error": "..."}``: a handoff that failed
   ``retries + 1`` times;
 - ``{"op": "end"}``: no more requests; the generation worker decodes what it received.
 
@@ -115,7 +115,8 @@ def loopback_pair(timeout_s: float = 60.0) -> tuple[LoopbackChannel, LoopbackCha
 def export_request(r: Request) -> dict[str, Any]:
     """What the generation worker needs besides the pages (msgpack-able)."""
     gen = r.generator
-    return {"rid": r.rid, "prompt": list(r.prompt), "generated": r.tokens[len(r.prompt):],
+    return {"request_id": r.request_id, "prompt": list(r.prompt),
+            "generated": r.tokens[len(r.prompt):],
             "params": dataclasses.asdict(r.params), "salt": r.salt,
             "num_cached_tokens": r.num_cached_tokens, "ttft_s": r.t_first - r.t_admit,
             # A seeded request carries its RNG on: its samples equal the aggregated run's.
@@ -132,10 +133,11 @@ def import_request(llm: LLM, seq_id: object, state: dict[str, Any]) -> Request:
     if state.get("rng_state") is not None:
         gen = torch.Generator(device=llm.device)
         gen.set_state(torch.frombuffer(bytearray(state["rng_state"]), dtype=torch.uint8))
-    return Request(rid=int(state["rid"]), prompt=prompt, params=sp, salt=state.get("salt"),
+    return Request(request_id=int(state["request_id"]), prompt=prompt, params=sp,
+                   salt=state.get("salt"),
                    max_length=min(len(prompt) + sp.max_tokens, llm.max_seq_len),
                    tokens=prompt + [int(t) for t in state["generated"]],
-                   num_computed=len(prompt), state=DECODE, generator=gen, rid_key=seq_id,
+                   num_computed=len(prompt), state=DECODE, generator=gen, seq_id=seq_id,
                    num_cached_tokens=int(state.get("num_cached_tokens", 0)))
 
 
@@ -187,9 +189,9 @@ class ContextWorker:
     def _hand_over(self, r: Request) -> None:
         state, err = export_request(r), None
         for _ in range(self.retries + 1):
-            self.channel.send_obj({"op": "handoff", "rid": r.rid})
+            self.channel.send_obj({"op": "handoff", "request_id": r.request_id})
             try:
-                stats = send_sequence(self.channel, self.llm.mgr, r.rid_key, extra=state,
+                stats = send_sequence(self.channel, self.llm.mgr, r.seq_id, extra=state,
                                       encode=self._slow, links=self._links)
             except TransferError as e:   # refused or not stored: both sides are still in step
                 err = str(e)
@@ -198,8 +200,8 @@ class ContextWorker:
             if self.encode == "auto" and not self._slow and stats.bytes:
                 self._slow = stats.gbps < self.slow_link_gbps
             return
-        self.failed[r.rid] = err
-        self.channel.send_obj({"op": "failed", "rid": r.rid, "prompt": list(r.prompt),
+        self.failed[r.request_id] = err
+        self.channel.send_obj({"op": "failed", "request_id": r.request_id, "prompt": list(r.prompt),
                                "error": err})
 
 
@@ -233,7 +235,7 @@ class GenerationWorker:
                 o = RequestOutput(**msg["output"])
                 final[o.request_id] = o
             elif op == "failed":
-                final[msg["rid"]] = RequestOutput(msg["rid"], list(msg["prompt"]),
+                final[msg["request_id"]] = RequestOutput(msg["request_id"], list(msg["prompt"]),
                                                   finish_reason="failed", error=msg["error"])
             elif op == "handoff":
                 try:
@@ -241,11 +243,11 @@ class GenerationWorker:
                                                       links=self._links)
                 except TransferError as e:
                     # The pool is unchanged; the sender retries or gives up ("failed").
-                    self.errors.append(f"request {msg.get('rid')}: {e}")
+                    self.errors.append(f"request {msg.get('request_id')}: {e}")
                     continue
                 r = import_request(self.llm, seq.seq_id, state)
                 self.transfers.append(stats)
-                self._info[r.rid] = {"ttft_s": float(state.get("ttft_s", 0.0)),
+                self._info[r.request_id] = {"ttft_s": float(state.get("ttft_s", 0.0)),
                                      "transfer_s": stats.seconds,
                                      "pages_received": stats.pages_sent,
                                      "pages_reused": stats.pages_skipped}
