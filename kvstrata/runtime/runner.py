@@ -28,6 +28,7 @@ eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/te
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import os
 import time
@@ -39,7 +40,8 @@ from torch import Tensor
 
 from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
-from ..kernels.attention_plan import AttentionMetadata, choose_num_splits
+from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
+                                      choose_num_splits)
 from .general import GeneralPath
 from .step import StepItem, StepTiming
 
@@ -48,8 +50,10 @@ from .step import StepItem, StepTiming
 GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
 #: ``tokens_per_split`` of the graphs' plans is a multiple of this (every kernel tile divides it).
 _SPLIT_ALIGN = 128
-#: Default :attr:`RunnerConfig.min_split_tokens`.
-MIN_SPLIT_TOKENS = 128
+#: Default :attr:`RunnerConfig.min_split_tokens`: the H200 split sweep (docs/benchmarks.md, issue
+#: 13) ran batch-1 decode and verify-16 at 8k fastest with 128-256-token splits (64 or 32 of
+#: them), against 21.9 / 23.9 us per layer with the 512-token splits the default policy chose.
+MIN_SPLIT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,10 @@ class RunnerConfig:
         timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
         min_split_tokens: the decode path's split-KV plans cut a sequence into pieces of at
-            least this many tokens (a multiple of 128): each step splits the longest context
-            of the batch evenly over the plan's split programs, never shorter than this, so a
-            long context runs fewer, longer splits (``benchmarks/runner_bench.py --sweep``).
+            least this many tokens (a multiple of 128): the graphs' grids are sized for splits
+            this short at ``max_seq_len`` (the plan policy's ``min_tokens``), and each step
+            splits the longest context of the batch evenly over them, never shorter than this
+            (``benchmarks/runner_bench.py --sweep``).
     """
 
     cuda_graphs: bool = True
@@ -220,11 +225,14 @@ class ModelRunner:
 
     # -- plans ----------------------------------------------------------------------------------
     def _splits(self, b: int, q: int, num_kv_heads: int) -> int:
+        m = self.min_split_tokens
+        pol = dataclasses.replace(DEFAULT_SPLIT_POLICY, min_tokens=m)
         s = choose_num_splits(b, self.max_seq_len, num_kv_heads=num_kv_heads,
                               num_q_blocks=max(1, math.ceil(q / 16)),
-                              num_sms=device_num_sms(self.device, 132), max_query_len=q)
+                              num_sms=device_num_sms(self.device, 132), policy=pol,
+                              max_query_len=q)
         # No more programs than splits of min_split_tokens can use.
-        return max(1, min(s, math.ceil(self.max_seq_len / self.min_split_tokens)))
+        return max(1, min(s, math.ceil(self.max_seq_len / m)))
 
     def _split_len(self, longest: int, splits: int) -> int:
         """Tokens per split: ``longest`` over ``splits`` programs, aligned, at least
@@ -440,6 +448,10 @@ class ModelRunner:
         self._hs[3 * mb:] = self.min_split_tokens
         self._small.copy_(self._h_small)
         torch.cuda.synchronize(self.device)
+        # Capture releases the allocator's free blocks (torch.cuda.graph empties the cache),
+        # e.g. the separate weights merge_weights replaced: release them first, so the
+        # difference below is the graphs' pool alone.
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(self.device)
         pool = None
         stream = torch.cuda.Stream(self.device)

@@ -244,3 +244,21 @@ def test_drafter_merged_weights_equal_the_separate_products(ckpts):
         assert torch.equal(d(noise, pos, attn), plain(noise, pos, attn))
         for (k1, v1), (k2, v2) in zip(d.context_kv(taps, pos), plain.context_kv(taps, pos)):
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_split_plans_follow_min_split_tokens(ckpts):
+    """The graphs' split grids are sized for splits of ``min_split_tokens`` at max_seq_len,
+    and each step's split length is the longest context over them, never shorter (the
+    Qwen3-8B batch-1 case: 8 KV heads, 8k + 512 tokens, 132 SMs)."""
+    for m, want in ((256, 34), (512, 17), (128, 64)):
+        llm = _llm(ckpts, runner=RunnerConfig(min_split_tokens=m))
+        run = llm.runner
+        run.max_seq_len = 8704
+        for q in (1, 16):
+            assert run._splits(1, q, num_kv_heads=8) == want
+        assert run._splits(16, 1, num_kv_heads=8) == 4          # 16 x 8 programs: 4 waves
+        assert run._split_len(8192 + 16, want) == max(m, 128 * -(-(8192 + 16) // (128 * want)))
+        assert run._split_len(100, want) == m
+        assert run.plans(2).verify.tokens_per_split >= m
+    with pytest.raises(ValueError, match="min_split_tokens"):
+        RunnerConfig(min_split_tokens=200)
