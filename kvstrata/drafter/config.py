@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from ..dtypes import canonical_dtype
-from ..nn.hfconfig import decoder_fields
+from ..nn.hfconfig import DecoderDims, decoder_fields
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -46,18 +46,11 @@ FINGERPRINT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(DecoderDims):
     # The drafter's fingerprint (the prefix-cache namespace of its pages) is built from
     # ``fingerprint_text()``, which lists FINGERPRINT_FIELDS in a pinned order, so fields can be
     # added or re-arranged here without orphaning stored draft pages (a new field that changes
-    # the K/V must be appended to FINGERPRINT_FIELDS).
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
+    # the K/V must be appended to FINGERPRINT_FIELDS). The sizes come from DecoderDims.
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int

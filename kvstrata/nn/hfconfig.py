@@ -3,6 +3,7 @@ drafter): one parser, so both models read sizes, heads, RoPE base and limits the
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from .loader import CheckpointError
@@ -46,4 +47,28 @@ def decoder_fields(d: Mapping[str, Any], where: str, *, rope_theta: float,
         attention_bias=bool(d.get("attention_bias", False)))
 
 
-__all__ = ["REQUIRED", "decoder_fields"]
+@dataclass(frozen=True)
+class DecoderDims:
+    """The sizes every decoder config names (base of the target's ``Qwen3Config`` and the
+    drafter's ``DFlashConfig``): validated once, here."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for f in fields(DecoderDims):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a positive int, "
+                                 f"got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads={self.num_key_value_heads}")
+
+
+__all__ = ["REQUIRED", "DecoderDims", "decoder_fields"]

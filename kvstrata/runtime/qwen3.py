@@ -22,7 +22,7 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
-from ..nn.hfconfig import decoder_fields
+from ..nn.hfconfig import DecoderDims, decoder_fields
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
                          weights_fingerprint)
 from ..pagepool.spec import KVGroupSpec
@@ -31,16 +31,10 @@ _ARCHS = ("Qwen3ForCausalLM", "Qwen3Model")
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
-    """The fields of a Hugging Face Qwen3 ``config.json`` the model needs (validated)."""
+class Qwen3Config(DecoderDims):
+    """The fields of a Hugging Face Qwen3 ``config.json`` the model needs (validated); the sizes
+    are :class:`~kvstrata.nn.hfconfig.DecoderDims`'."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
@@ -52,14 +46,7 @@ class Qwen3Config:
     sliding_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"Qwen3Config.{f} must be a positive int, got {v!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads={self.num_key_value_heads}")
+        super().__post_init__()
         if self.head_dim % 16 or self.head_dim > 256:
             raise ValueError(f"head_dim={self.head_dim}: the attention kernels take multiples of "
                              "16 up to 256")
