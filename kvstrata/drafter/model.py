@@ -26,7 +26,8 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
-from ..nn.layers import MergedLinear, RMSNorm, SwiGLUMLP, merged, rope_cos_sin
+from ..nn.layers import (MergedLinear, RMSNorm, SwiGLUMLP, merge_layer_weights, merged,
+                         rope_cos_sin)
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
@@ -110,12 +111,8 @@ class DFlashDrafter(nn.Module):
         return model
 
     def merge_weights(self) -> None:
-        """Per layer, q/k/v as one matrix and gate/up as one (views: one copy in memory, the
-        same names and state dict); as :meth:`kvstrata.runtime.qwen3.Qwen3Model.merge_weights`."""
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.self_attn.merge()
-                layer.mlp.merge()
+        """Per layer, q/k/v as one matrix and gate/up as one (:func:`merge_layer_weights`)."""
+        merge_layer_weights(self.layers)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -244,5 +244,17 @@ class AttentionProjections(nn.Module):
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
+def merge_layer_weights(layers: Sequence[nn.Module]) -> None:
+    """Per decoder layer (``self_attn`` + ``mlp``), q/k/v as one matrix and gate/up as one: the
+    parameters become views of them (one copy in memory; the same names, state dict and
+    fingerprint). Idempotent; call it again after replacing parameters (``.to(...)``). Until
+    then, or when the views broke, each forward takes separate products of the same values."""
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.merge()
+            layer.mlp.merge()
+
+
 __all__ = ["AttentionProjections", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP",
-           "apply_rotary", "merged", "rms_norm", "rope_cos_sin", "rope_inv_freq"]
+           "apply_rotary", "merge_layer_weights", "merged", "rms_norm", "rope_cos_sin",
+           "rope_inv_freq"]

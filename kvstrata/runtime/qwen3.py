@@ -21,7 +21,8 @@ from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
-from ..nn.layers import AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP
+from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
+                         merge_layer_weights)
 from ..nn.hfconfig import DecoderDims, decoder_fields
 from ..nn.loader import (CheckpointError, load_safetensors_dir, read_config,
                          weights_fingerprint)
@@ -177,15 +178,9 @@ class Qwen3Model(nn.Module):
         self.merge_weights()
 
     def merge_weights(self) -> None:
-        """Per layer, q/k/v as one matrix and gate/up as one (the parameters become views of
-        them: one copy in memory, the same names, state dict and fingerprint). Loading merges;
-        call it again after replacing parameters (``.to(...)``) or on a model built in code.
-        Idempotent; until then (or when the views broke) each forward takes separate products
-        of the same values."""
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.self_attn.merge()
-                layer.mlp.merge()
+        """Per layer, q/k/v as one matrix and gate/up as one (:func:`merge_layer_weights`).
+        Loading merges; call it again after replacing parameters or on a model built in code."""
+        merge_layer_weights(self.layers)
 
     # -- identity / KV layout ---------------------------------------------------------------
     @property
