@@ -26,7 +26,7 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
-from ..nn.layers import (MergedLinear, RMSNorm, SwiGLUMLP, merge_layer_weights, merged,
+from ..nn.layers import (AttentionProjections, RMSNorm, SwiGLUMLP, merge_layer_weights,
                          rope_cos_sin)
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
@@ -36,29 +36,16 @@ from .config import DFlashConfig
 DraftAttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
-class _Attn(nn.Module):
+class _Attn(AttentionProjections):
+    """The shared Qwen3 attention projections; a DFlash checkpoint with ``attention_bias``
+    also biases ``o_proj``."""
+
     def __init__(self, cfg: DFlashConfig):
-        super().__init__()
         H, D, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.q_proj = nn.Linear(H, cfg.num_attention_heads * D, bias=bias)
-        self.k_proj = nn.Linear(H, cfg.num_key_value_heads * D, bias=bias)
-        self.v_proj = nn.Linear(H, cfg.num_key_value_heads * D, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * D, H, bias=bias)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self._qkv: MergedLinear | None = None
-
-    def merge(self) -> None:
-        """q, k, v as one matrix (views; idempotent): one product for the block's q/k/v and
-        one for the context's k/v (adjacent rows)."""
-        self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
-
-    def qkv(self, x: Tensor, with_q: bool = True) -> Tensor:
-        """``cat(q_proj(x), k_proj(x), v_proj(x), -1)`` (without q unless ``with_q``)."""
-        if self._qkv is None:
-            return torch.cat(([self.q_proj(x)] if with_q else []) + [self.k_proj(x),
-                                                                     self.v_proj(x)], -1)
-        return self._qkv(x, first=0 if with_q else 1)
+        super().__init__(H, cfg.num_attention_heads, cfg.num_key_value_heads, D,
+                         cfg.rms_norm_eps, bias=bias)
+        if bias:
+            self.o_proj = nn.Linear(cfg.num_attention_heads * D, H, bias=True)
 
 
 class _Layer(nn.Module):

@@ -223,12 +223,13 @@ class AttentionProjections(nn.Module):
         if self.q_proj.in_features == self.k_proj.in_features:
             self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
 
-    def qkv(self, x: Tensor) -> Tensor:
-        """``cat(q_proj(x), k_proj(x), v_proj(x), -1)``: ``[T, (Hq + 2 Hkv) * D]``, one product
-        when merged."""
+    def qkv(self, x: Tensor, with_q: bool = True) -> Tensor:
+        """``cat(q_proj(x), k_proj(x), v_proj(x), -1)``: ``[T, (Hq + 2 Hkv) * D]`` (k and v
+        only unless ``with_q``), one product when merged (k, v are adjacent rows)."""
         if self._qkv is None:
-            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        return self._qkv(x)
+            return torch.cat(([self.q_proj(x)] if with_q else []) + [self.k_proj(x),
+                                                                     self.v_proj(x)], -1)
+        return self._qkv(x, first=0 if with_q else 1)
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
