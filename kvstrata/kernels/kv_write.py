@@ -45,8 +45,8 @@ def _check(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, slot_mapping: Ten
         raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype != v.dtype:
-        raise ValueError(f"k/v dtype ({k.dtype}, {v.dtype}) must equal the pool's "
-                         f"{kv_cache.dtype}")
+        raise ValueError(f"k and v must share one dtype (the pool's {kv_cache.dtype}), got "
+                         f"{k.dtype} and {v.dtype}")
     check_kv_write(kv_cache, layer, tuple(k.shape), k.dtype, slot_mapping)
 
 
