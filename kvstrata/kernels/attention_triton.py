@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._device import num_sms
+from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_ok  # noqa: F401
 from .attention_plan import REDUCE_TILE, AttentionMetadata, block_q_for, kernel_config
 
 _LOG2E = 1.4426950408889634
@@ -80,7 +80,10 @@ def _paged_attention_kernel(
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr):
+        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # every program waits, the idle ones too (kernels/_device.pdl_ok)
+        gdc_wait()
+        gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -261,11 +264,14 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qb
 def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_heads,
                           s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr):
+                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     """Merge split partials of ``HEADS`` query heads of one token:
     out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max). Several heads per program keep
     the grid small: with one (token, head) per program, verify's 4096-program merge (8 x 1k,
     16 tokens, 4 splits) spent 12.9 us launching programs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     h_ok = h < num_heads
@@ -371,6 +377,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     else:
         bk = bv = q  # unused (HAS_BLOCK=False)
     grid = (meta.num_seqs * num_q_blocks, hkv, splits)
+    pdl = pdl_ok(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
     # Triton 3.9's interpreter computes bf16 tl.dot wrongly (numpy has no bf16): on the CPU
     # interpreter only, bf16 tiles are multiplied in fp32.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -393,8 +401,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
-        QLENS=meta.query_lens is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        QLENS=meta.query_lens is not None, PDL=pdl,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
         splits_pad = max(2, triton.next_power_of_2(splits))
@@ -405,8 +413,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
             part_o, part_lse, out, splits, hq,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads,
-            num_warps=4)
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads, PDL=pdl,
+            num_warps=4, **launch)
     return out
 
 

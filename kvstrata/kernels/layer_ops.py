@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.layers import apply_rotary, rms_norm
+from ._device import gdc_launch_dependents, gdc_wait, pdl_ok  # noqa: F401 - used in kernels
 from .kv_write import check_kv_write, write_kv_ref
 
 try:
@@ -73,7 +74,10 @@ def qkv_norm_rope_ref(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, ep
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, dim, eps, s_x, s_r, s_o, s_h,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
         ok = c < dim
@@ -128,7 +132,10 @@ if triton is not None:
                               slot_ptr, eps, layer_off, s_xt, s_qt, s_kt, s_c, s_s,
                               s_page, s_kv, s_head, s_tok, NQ: tl.constexpr,
                               NKV: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                              PAGE_SIZE: tl.constexpr, WRITE: tl.constexpr):
+                              PAGE_SIZE: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # Grid (T, NQ + NKV): programs h < NQ own q head h; the others k head j = h - NQ and,
         # writing, v head j too (v is copied as it is).
         t = tl.program_id(0).to(tl.int64)
@@ -161,7 +168,11 @@ if triton is not None:
                 tl.store(ob + HALF + i, o2)
 
     @triton.jit
-    def _silu_mul_merged_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr):
+    def _silu_mul_merged_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr):
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         ok = c < n
@@ -180,6 +191,12 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + offs, (s * u).to(dt), mask=ok)
+
+
+def _pdl(x: Tensor) -> dict:
+    """The launch arguments of a kernel with a ``PDL`` switch (:func:`pdl_ok`)."""
+    on = pdl_ok(x.device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _use_triton(x: Tensor, impl: str) -> bool:
@@ -206,7 +223,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
         _add_rms_norm_kernel[(T,)](x, r, weight, out, h, dim, eps, x.stride(0), r.stride(0),
                                    out.stride(0), h.stride(0), HAS_RES=residual is not None,
                                    BLOCK=triton.next_power_of_2(dim),
-                                   num_warps=8 if dim >= 2048 else 4)
+                                   num_warps=8 if dim >= 2048 else 4, **_pdl(x))
     return out, h
 
 
@@ -249,7 +266,7 @@ def silu_mul_merged(gate_up: Tensor, impl: str = "auto") -> Tensor:
     if T and n:
         _silu_mul_merged_kernel[(T, triton.cdiv(n, 1024))](gate_up, out, n, gate_up.stride(0),
                                                            out.stride(0), BLOCK=1024,
-                                                           num_warps=4)
+                                                           num_warps=4, **_pdl(gate_up))
     return out
 
 
@@ -302,7 +319,8 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
             slot_mapping if write else cos, eps, layer * st[1], qkv.stride(0), qa.stride(0),
             ka.stride(0), cos.stride(0), sin.stride(0), st[0], st[2], st[3], st[4],
             NQ=hq, NKV=hkv, HEAD_DIM=d, HALF=d // 2,
-            PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=1)
+            PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=1,
+            **_pdl(qkv))
     return q, k, v
 
 

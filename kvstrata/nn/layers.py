@@ -146,6 +146,10 @@ class MergedLinear:
             at += l.out_features
         return True
 
+    def held(self) -> tuple[Tensor, Tensor | None] | None:
+        """``(weight, bias)`` of the merged product while the views hold, else ``None``."""
+        return (self.weight, self.bias) if self.holds() else None
+
     def __call__(self, x: Tensor, first: int = 0) -> Tensor:
         """``cat([l(x) for l in linears[first:]], -1)``; the linears from ``first`` on are
         adjacent rows of the merged weight, so this is one product too."""
@@ -177,6 +181,10 @@ class SwiGLUMLP(nn.Module):
     def merge(self) -> None:
         """Gate and up as one matrix (views; idempotent)."""
         self._gate_up = merged((self.gate_proj, self.up_proj), self._gate_up)
+
+    def merged_gate_up(self) -> tuple[Tensor, Tensor | None] | None:
+        """The ``[2 * inter, hidden]`` gate/up matrix (and bias) while merged, else ``None``."""
+        return None if self._gate_up is None else self._gate_up.held()
 
     def gate_up(self, x: Tensor) -> Tensor:
         """``cat(gate_proj(x), up_proj(x), -1)``: ``[T, 2 * inter]``, one product when merged."""
@@ -222,6 +230,11 @@ class AttentionProjections(nn.Module):
         idempotent). Only when all three read one width (no ``kv_input_size``)."""
         if self.q_proj.in_features == self.k_proj.in_features:
             self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
+
+    def merged_qkv(self) -> tuple[Tensor, Tensor | None] | None:
+        """The ``[(Hq + 2 Hkv) * D, hidden]`` q/k/v matrix (and bias) while merged, else
+        ``None``."""
+        return None if self._qkv is None else self._qkv.held()
 
     def qkv(self, x: Tensor, with_q: bool = True) -> Tensor:
         """``cat(q_proj(x), k_proj(x), v_proj(x), -1)``: ``[T, (Hq + 2 Hkv) * D]`` (k and v

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
+from ..kernels.gemv import gemv, gemv_ok, norm_gemv, silu_gemv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -247,14 +248,18 @@ class Qwen3Model(nn.Module):
         if bad:
             raise ValueError(f"capture_layers {bad} outside [0, {cfg.num_hidden_layers})")
         cos, sin = self.rotary.cos_sin(positions)
-        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         captured: list[Tensor | None] = [None] * len(capture_layers)
         eps = cfg.rms_norm_eps
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
+        h = self.embed(input_ids)
+        fused = self._fused_weights(h, attn_impl)
+        if fused is not None:
+            return self._forward_fused(h, fused, cos, sin, meta, slot_mapping, kv_cache,
+                                       capture_layers, attn_impl)
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
-        x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
-                            impl=attn_impl)
+        x, h = add_rms_norm(h, self.layers[0].input_layernorm.weight, eps, impl=attn_impl)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
@@ -272,6 +277,59 @@ class Qwen3Model(nn.Module):
             for j, l in enumerate(capture_layers):
                 if l == i:
                     captured[j] = h
+        return x, captured  # type: ignore[return-value]
+
+    def _fused_weights(self, h: Tensor, impl: str) -> list | None:
+        """Per layer the merged q/k/v and gate/up ``(weight, bias)``, when this step takes the
+        few-rows path (:func:`~kvstrata.kernels.gemv.gemv_ok`: CUDA, at most 16 rows, merged
+        weights), else ``None``."""
+        if impl == "torch" or not gemv_ok(h, self.layers[0].mlp.down_proj.weight, impl):
+            return None
+        out = []
+        for layer in self.layers:
+            qkv, gu = layer.self_attn.merged_qkv(), layer.mlp.merged_gate_up()
+            if qkv is None or gu is None or gu[1] is not None:
+                return None
+            out.append((qkv, gu[0]))
+        return out
+
+    def _forward_fused(self, h: Tensor, weights: list, cos: Tensor, sin: Tensor,
+                       meta: AttentionMetadata, slot_mapping: Tensor, kv_cache: Tensor,
+                       capture_layers: Sequence[int], impl: str) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`forward` for a few rows (decode, verify): four launches per layer for the
+        products, each reading its input through the op before it (:mod:`~kvstrata.kernels.
+        gemv`: the residual add and RMSNorm into q/k/v and gate/up, SiLU-and-multiply into
+        down), plus q/k norm + RoPE + K/V write and attention. The same values as the other
+        path up to the norms' and products' summation order."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
+        captured: list[Tensor | None] = [None] * len(capture_layers)
+        T = h.shape[0]
+        y = None
+        for i, (layer, ((w_qkv, b_qkv), w_gu)) in enumerate(zip(self.layers, weights)):
+            attn, mlp = layer.self_attn, layer.mlp
+            # h: the residual stream after layer i - 1 (written by this launch for i > 0).
+            qkv, h = norm_gemv(h if y is None else y, layer.input_layernorm.weight, eps, w_qkv,
+                               residual=None if y is None else h, bias=b_qkv, impl=impl)
+            for j, l in enumerate(capture_layers):
+                if l == i - 1:
+                    captured[j] = h
+            q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight,
+                                    attn.q_norm.eps, cos, sin, hq, hkv, kv_cache=kv_cache,
+                                    layer=i, slot_mapping=slot_mapping, impl=impl)
+            o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                sliding_window=windows[i], impl=impl)
+            y = gemv(o.reshape(T, hq * cfg.head_dim), attn.o_proj.weight, attn.o_proj.bias,
+                     impl=impl)
+            gu, h = norm_gemv(y, layer.post_attention_layernorm.weight, eps, w_gu, residual=h,
+                              impl=impl)
+            y = silu_gemv(gu, mlp.down_proj.weight, impl=impl)
+        x, h = add_rms_norm(y, self.norm.weight, eps, residual=h, impl=impl)
+        for j, l in enumerate(capture_layers):
+            if l == len(self.layers) - 1:
+                captured[j] = h
         return x, captured  # type: ignore[return-value]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

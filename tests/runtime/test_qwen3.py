@@ -284,3 +284,37 @@ def test_merged_weights_one_copy_same_state_same_outputs(models):
         assert model.layers[0].self_attn._qkv.weight[a.q_proj.out_features, 0] == \
             model.layers[0].self_attn.k_proj.weight[0, 0]
         model.layers[0].self_attn.k_proj.weight[0, 0] -= 1.0
+
+
+def test_few_rows_fused_path_matches_the_layer_by_layer_path(models):
+    """Steps of at most 16 rows in half precision take the fused products (kernels/gemv.py:
+    residual add + norm and SiLU-and-multiply read inside the products); their logits, captured
+    layers and pool K/V match the layer-by-layer torch path up to half-precision rounding."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
+    _, _, d = models
+    m = Qwen3Model.from_pretrained(d, dtype="float16")
+    probe = torch.zeros(3, m.config.hidden_size, dtype=torch.float16)
+    assert m._fused_weights(probe, "triton") is None       # autograd on: the torch ops
+    with torch.no_grad():
+        assert m._fused_weights(probe, "triton") is not None
+        assert m._fused_weights(probe, "torch") is None
+        assert m._fused_weights(torch.zeros(17, m.config.hidden_size, dtype=torch.float16),
+                                "triton") is None          # 17 rows: the cuBLAS path
+    fused, plain = Runner(m, impl="triton"), Runner(m, impl="torch")
+    for r in (fused, plain):
+        r.pool.kv["target"].zero_()
+        for i, p in enumerate(PROMPTS[:2]):
+            r.mgr.admit(i, p)
+    with torch.no_grad():
+        steps = [{0: PROMPTS[0]}, {1: PROMPTS[1]}, {0: [5], 1: [6]}, {0: [7], 1: [8]}]
+        for chunk in steps:
+            got, cap_f = fused.step(chunk, capture=(0, 2))
+            want, cap_p = plain.step(chunk, capture=(0, 2))
+            for sid in got:
+                torch.testing.assert_close(got[sid], want[sid], atol=2e-2, rtol=0)
+            for a, b in zip(cap_f, cap_p):
+                torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=0)
+    torch.testing.assert_close(fused.pool.kv["target"].float(), plain.pool.kv["target"].float(),
+                               atol=1e-2, rtol=0)

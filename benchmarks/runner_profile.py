@@ -1,0 +1,166 @@
+"""Where a runner step's time goes (issue 13), H200: per-kernel device time of the captured
+decode/verify/draft graphs, and the linear layers' shapes alone against the copy rate.
+
+- ``--gemm``: every linear shape of the 8B-shaped target/drafter at 1 and 16 rows, ``F.linear``
+  (cuBLAS) and :func:`kvstrata.kernels.gemv.gemv` over a grid of tiles; each timed as a CUDA
+  graph running the product over several distinct copies of the weight (more bytes than L2
+  holds), median of replays, per product. Ratio = time / (weight bytes / copy rate).
+- ``--profile``: torch.profiler over replays of the runner's graphs (plain b1, speculative b1)
+  at the given contexts: device time per kernel name per step, and the kernels' sum against
+  the replay's own time (what is left is launch gaps inside the graph).
+
+    python benchmarks/runner_profile.py --gemm --profile --out $OUT/profile.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runner_bench import Bench, copy_rate, make_llm, replay_ms  # noqa: E402
+from engine_bench import PRESETS, build_models  # noqa: E402
+
+from kvstrata.kernels.gemv import GemvLaunch, gemv  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
+          "down": (4096, 12288), "lm_head": (151936, 4096)}
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    return g
+
+
+def gemm_sweep(bw: float, lines: list[str], rows=(1, 16)) -> None:
+    grid = [GemvLaunch(bn, bk, st, wp) for bn, bk, st, wp in itertools.product(
+        (16, 32, 64), (128, 256, 512), (3, 5), (4, 8))]
+    lines += ["", f"### Linear layers alone (copy rate {bw / 1e12:.3f} TB/s)", "",
+              "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile |",
+              "|---|---|---|---|---|---|---|"]
+    for name, (n, k) in SHAPES.items():
+        size = n * k * 2
+        copies = max(2, min(12, -(-400_000_000 // size)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+              for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            floor = size / bw * 1e6
+
+            def run(f):
+                g = graph_of(lambda: [f(x, w) for w in ws])
+                return replay_ms(g, 20) * 1e3 / copies
+
+            ref = F.linear(x, ws[0])
+            t_cublas = run(F.linear)
+            best, best_lt = None, None
+            for lt in grid:
+                try:
+                    y = gemv(x, ws[0], launch=lt)
+                    err = (y.float() - ref.float()).abs().max().item()
+                    if err > 0.02 * ref.float().abs().max().item() + 1e-3:
+                        print(f"{name} m{m} {lt}: wrong, max err {err}", flush=True)
+                        continue
+                    t = run(lambda a, b: gemv(a, b, launch=lt))
+                except Exception as e:  # noqa: BLE001 - tiles past the shared memory
+                    print(f"{name} m{m} {lt}: {type(e).__name__}", flush=True)
+                    continue
+                print(f"{name} m{m} {lt}: {t:.2f} us", flush=True)
+                if best is None or t < best:
+                    best, best_lt = t, lt
+            lines.append(f"| {name} | {n} x {k} | {m} | {floor:.1f} | {t_cublas:.1f} "
+                         f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | "
+                         f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/"
+                         f"{best_lt.warps} |")
+            print(lines[-1], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+
+
+def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    tot, cnt = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        nm = e.name if len(e.name) < 70 else e.name[:67] + "..."
+        tot[nm] += e.time_range.elapsed_us() / steps
+        cnt[nm] += 1
+    s = sum(tot.values())
+    lines += ["", f"### {title}: replay {step_ms * 1e3:.0f} us, kernels sum {s:.0f} us "
+              f"({s / (step_ms * 1e3):.0%})", "", "| kernel | us per step | launches per step |",
+              "|---|---|---|"]
+    for nm, t in sorted(tot.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"| `{nm}` | {t:.1f} | {cnt[nm] / steps:.0f} |")
+    print("\n".join(lines[-30:]), flush=True)
+
+
+def profile_steps(args, lines: list[str]) -> None:
+    p = PRESETS["8b"]
+    target, drafter = build_models(p, "cuda", torch.bfloat16)
+    target._fingerprint = "bench-target-8b"
+    for mode, d in (("plain", None), ("spec", drafter)):
+        llm = make_llm(target, d, 1, max(args.contexts))
+        for ctx in args.contexts:
+            bench = Bench(llm, 1, ctx, mode)
+            run = llm.runner
+            items = bench.items()
+            run._stage(items, 1)
+            for name in (("draft", "verify") if d is not None else ("verify",)):
+                g = run.graphs[(name, 1)]
+                ms = replay_ms(g, 30)
+                kernel_table(g.replay, 10, f"{mode} b1 ctx {ctx}: {name} graph", lines, ms)
+                if ctx == args.contexts[0]:
+                    fn = run._verify_fn if name == "verify" else run._draft_fn
+                    with torch.inference_mode():
+                        kernel_table(lambda: fn(1), 5, f"{mode} b1 ctx {ctx}: {name} eager",
+                                     lines, ms)
+            bench.close()
+            del bench
+        del llm
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = copy_rate()
+    lines = [f"# runner profile, {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.3f} TB/s"]
+    if args.profile:
+        profile_steps(args, lines)
+    if args.gemm:
+        gemm_sweep(bw, lines)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
