@@ -119,7 +119,7 @@ if triton is not None:
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if PRO == 1 or PRO == 2:
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
                 k = k0 + kk
                 h = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
                 if PRO == 2:

@@ -130,6 +130,9 @@ class Qwen3Model(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sm_scale = config.head_dim ** -0.5
         self._fingerprint: str | None = None
+        #: few-rows steps read the norm / SiLU into the products (one launch) rather than
+        #: running them as launches of their own
+        self.fuse_product_inputs = True
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -279,6 +282,17 @@ class Qwen3Model(nn.Module):
                     captured[j] = h
         return x, captured  # type: ignore[return-value]
 
+    def _norm_product(self, x: Tensor, norm_weight: Tensor, weight: Tensor,
+                      residual: Tensor | None, bias: Tensor | None, impl: str
+                      ) -> tuple[Tensor, Tensor]:
+        """``(rms_norm(residual + x) @ weight.T + bias, residual + x)`` for a few rows."""
+        eps = self.config.rms_norm_eps
+        if self.fuse_product_inputs:
+            return norm_gemv(x, norm_weight, eps, weight, residual=residual, bias=bias,
+                             impl=impl)
+        xn, h = add_rms_norm(x, norm_weight, eps, residual=residual, impl=impl)
+        return gemv(xn, weight, bias, impl=impl), h
+
     def _fused_weights(self, h: Tensor, impl: str) -> list | None:
         """Per layer the merged q/k/v and gate/up ``(weight, bias)``, when this step takes the
         few-rows path (:func:`~kvstrata.kernels.gemv.gemv_ok`: CUDA, at most 16 rows, merged
@@ -311,8 +325,8 @@ class Qwen3Model(nn.Module):
         for i, (layer, ((w_qkv, b_qkv), w_gu)) in enumerate(zip(self.layers, weights)):
             attn, mlp = layer.self_attn, layer.mlp
             # h: the residual stream after layer i - 1 (written by this launch for i > 0).
-            qkv, h = norm_gemv(h if y is None else y, layer.input_layernorm.weight, eps, w_qkv,
-                               residual=None if y is None else h, bias=b_qkv, impl=impl)
+            qkv, h = self._norm_product(h if y is None else y, layer.input_layernorm.weight,
+                                        w_qkv, None if y is None else h, b_qkv, impl)
             for j, l in enumerate(capture_layers):
                 if l == i - 1:
                     captured[j] = h
@@ -323,9 +337,12 @@ class Qwen3Model(nn.Module):
                                 sliding_window=windows[i], impl=impl)
             y = gemv(o.reshape(T, hq * cfg.head_dim), attn.o_proj.weight, attn.o_proj.bias,
                      impl=impl)
-            gu, h = norm_gemv(y, layer.post_attention_layernorm.weight, eps, w_gu, residual=h,
-                              impl=impl)
-            y = silu_gemv(gu, mlp.down_proj.weight, impl=impl)
+            gu, h = self._norm_product(y, layer.post_attention_layernorm.weight, w_gu, h, None,
+                                       impl)
+            if self.fuse_product_inputs:
+                y = silu_gemv(gu, mlp.down_proj.weight, impl=impl)
+            else:
+                y = gemv(silu_mul_merged(gu, impl=impl), mlp.down_proj.weight, impl=impl)
         x, h = add_rms_norm(y, self.norm.weight, eps, residual=h, impl=impl)
         for j, l in enumerate(capture_layers):
             if l == len(self.layers) - 1:
