@@ -262,7 +262,6 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
     p = PRESETS["8b"]
     target, drafter = build_models(p, "cuda", torch.bfloat16, target_layers=args.target_layers)
     target._fingerprint = "bench-target-8b"
-    target.fuse_product_inputs = args.fuse
     w_t = nbytes(target, skip=("embed_tokens",))
     w_head = target.lm_head.weight.numel() * 2
     w_d = nbytes(drafter)
@@ -328,8 +327,6 @@ def main():
     ap.add_argument("--min-split", type=int, nargs="*", default=[],
                     help="batch-1 steps again with these RunnerConfig.min_split_tokens "
                          "(set per step on the captured graphs)")
-    ap.add_argument("--no-fuse", dest="fuse", action="store_false",
-                    help="norm and SiLU as launches of their own (Qwen3Model.fuse_product_inputs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True

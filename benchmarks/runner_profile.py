@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runner_bench import Bench, copy_rate, make_llm, replay_ms  # noqa: E402
 from engine_bench import PRESETS, build_models  # noqa: E402
 
-from kvstrata.kernels.gemv import GemvLaunch, gemv, norm_gemv, silu_gemv  # noqa: E402
+from kvstrata.kernels.gemv import GemvLaunch, gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -50,8 +50,8 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
     grid = [GemvLaunch(bn, bk, st, wp) for bn, bk, st, wp in itertools.product(
         (16, 32, 64), (128, 256, 512), (3, 5), (4, 8))] if full else []
     lines += ["", f"### Linear layers alone (copy rate {bw / 1e12:.3f} TB/s)", "",
-              "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile | "
-              "+norm us | +silu us |", "|---|---|---|---|---|---|---|---|---|"]
+              "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile |",
+              "|---|---|---|---|---|---|---|"]
     for name, (n, k) in SHAPES.items():
         size = n * k * 2
         copies = max(2, min(12, -(-400_000_000 // size)))
@@ -82,20 +82,14 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
                 print(f"{name} m{m} {lt}: {t:.2f} us", flush=True)
                 if best is None or t < best:
                     best, best_lt = t, lt
-            nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-            xx = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-            t_norm = run(lambda a, b: norm_gemv(a, nw, 1e-6, b, residual=a)[0])
-            t_silu = run(lambda a, b: silu_gemv(xx, b))
             t_def = run(gemv)
-            print(f"{name} m{m}: default tile {t_def:.1f} us, +norm {t_norm:.1f}, +silu "
-                  f"{t_silu:.1f}", flush=True)
+            print(f"{name} m{m}: default tile {t_def:.1f} us", flush=True)
             if best is None:
                 best, best_lt = t_def, None
             tile = ("default" if best_lt is None else
                     f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}")
             lines.append(f"| {name} | {n} x {k} | {m} | {floor:.1f} | {t_cublas:.1f} "
-                         f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} "
-                         f"| {t_norm:.1f} | {t_silu:.1f} |")
+                         f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} |")
             print(lines[-1], flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -129,7 +123,6 @@ def profile_steps(args, lines: list[str]) -> None:
     p = PRESETS["8b"]
     target, drafter = build_models(p, "cuda", torch.bfloat16)
     target._fingerprint = "bench-target-8b"
-    target.fuse_product_inputs = args.fuse
     for mode, d in (("plain", None), ("spec", drafter)):
         llm = make_llm(target, d, 1, max(args.contexts))
         for ctx in args.contexts:
@@ -158,8 +151,6 @@ def main():
     ap.add_argument("--gemm-tiles", action="store_true", help="also sweep the tile grid")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
-    ap.add_argument("--no-fuse", dest="fuse", action="store_false",
-                    help="norm and SiLU as launches of their own (Qwen3Model.fuse_product_inputs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)

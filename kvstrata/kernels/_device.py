@@ -34,18 +34,39 @@ def _pdl_device(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_ok(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` use programmatic dependent launch: a CUDA device
-    of compute capability 9.0+ (Hopper), a Triton with grid dependency control, not the
-    interpreter, and not turned off with ``KVSTRATA_PDL=0``.
+#: the kernel families that use PDL by default, and every family there is
+PDL_DEFAULT = ("gemv", "norm", "rope", "silu", "attn", "reduce")
+PDL_FAMILIES = PDL_DEFAULT
+
+
+def pdl_ok(device: torch.device, family: str) -> bool:
+    """Whether kernels of ``family`` (one of :data:`PDL_FAMILIES`) launched on ``device`` use
+    programmatic dependent launch: a CUDA device of compute capability 9.0+ (Hopper), a Triton
+    with grid dependency control, not the interpreter, and the family on in ``KVSTRATA_PDL``
+    (unset or ``1``: :data:`PDL_DEFAULT`; ``0``: none; or a comma-separated list of families).
 
     With it, a kernel's programs start while the previous kernel's last programs still run;
     each kernel first reads only what no earlier kernel writes (weights), then waits
     (``gdc_wait``) for the previous kernel's writes. Every program of a PDL kernel waits before
     it exits, so a kernel's completion implies its predecessors' (the ordering is transitive).
     """
+    if family not in PDL_FAMILIES:
+        raise ValueError(f"unknown PDL kernel family {family!r}; one of {PDL_FAMILIES}")
     if device.type != "cuda" or not _HAS_GDC or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get(PDL_ENV, "1") == "0":
-        return False
-    return _pdl_device(device)
+    return family in _pdl_families(os.environ.get(PDL_ENV, "1")) and _pdl_device(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_families(value: str) -> frozenset:
+    v = value.strip()
+    if v in ("", "1"):
+        return frozenset(PDL_DEFAULT)
+    if v == "0":
+        return frozenset()
+    fams = frozenset(f.strip() for f in v.split(",") if f.strip())
+    bad = sorted(fams - set(PDL_FAMILIES))
+    if bad:
+        raise ValueError(f"{PDL_ENV}={value!r}: unknown families {bad}; use 0, 1 or a "
+                         f"comma-separated list of {PDL_FAMILIES}")
+    return fams

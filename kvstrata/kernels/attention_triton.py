@@ -377,7 +377,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     else:
         bk = bv = q  # unused (HAS_BLOCK=False)
     grid = (meta.num_seqs * num_q_blocks, hkv, splits)
-    pdl = pdl_ok(q.device)
+    pdl = pdl_ok(q.device, "attn")
     launch = {"launch_pdl": True} if pdl else {}
     # Triton 3.9's interpreter computes bf16 tl.dot wrongly (numpy has no bf16): on the CPU
     # interpreter only, bf16 tiles are multiplied in fp32.
@@ -405,6 +405,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
+        pdl_red = pdl_ok(q.device, "reduce")
         splits_pad = max(2, triton.next_power_of_2(splits))
         # powers of two all: so is heads
         heads = max(1, min(triton.next_power_of_2(hq),
@@ -413,8 +414,8 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
             part_o, part_lse, out, splits, hq,
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads, PDL=pdl,
-            num_warps=4, **launch)
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads,
+            PDL=pdl_red, num_warps=4, **({"launch_pdl": True} if pdl_red else {}))
     return out
 
 

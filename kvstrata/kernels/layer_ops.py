@@ -193,9 +193,9 @@ if triton is not None:
         tl.store(out_ptr + offs, (s * u).to(dt), mask=ok)
 
 
-def _pdl(x: Tensor) -> dict:
+def _pdl(x: Tensor, family: str) -> dict:
     """The launch arguments of a kernel with a ``PDL`` switch (:func:`pdl_ok`)."""
-    on = pdl_ok(x.device)
+    on = pdl_ok(x.device, family)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
@@ -223,7 +223,7 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
         _add_rms_norm_kernel[(T,)](x, r, weight, out, h, dim, eps, x.stride(0), r.stride(0),
                                    out.stride(0), h.stride(0), HAS_RES=residual is not None,
                                    BLOCK=triton.next_power_of_2(dim),
-                                   num_warps=8 if dim >= 2048 else 4, **_pdl(x))
+                                   num_warps=8 if dim >= 2048 else 4, **_pdl(x, "norm"))
     return out, h
 
 
@@ -266,7 +266,7 @@ def silu_mul_merged(gate_up: Tensor, impl: str = "auto") -> Tensor:
     if T and n:
         _silu_mul_merged_kernel[(T, triton.cdiv(n, 1024))](gate_up, out, n, gate_up.stride(0),
                                                            out.stride(0), BLOCK=1024,
-                                                           num_warps=4, **_pdl(gate_up))
+                                                           num_warps=4, **_pdl(gate_up, "silu"))
     return out
 
 
@@ -320,7 +320,7 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
             ka.stride(0), cos.stride(0), sin.stride(0), st[0], st[2], st[3], st[4],
             NQ=hq, NKV=hkv, HEAD_DIM=d, HALF=d // 2,
             PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=1,
-            **_pdl(qkv))
+            **_pdl(qkv, "rope"))
     return q, k, v
 
 

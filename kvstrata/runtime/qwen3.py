@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.gemv import gemv, gemv_ok, norm_gemv, silu_gemv
+from ..kernels.gemv import gemv, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -130,9 +130,6 @@ class Qwen3Model(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.sm_scale = config.head_dim ** -0.5
         self._fingerprint: str | None = None
-        #: few-rows steps read the norm / SiLU into the products (one launch) rather than
-        #: running them as launches of their own
-        self.fuse_product_inputs = True
 
     # -- loading ----------------------------------------------------------------------------
     @classmethod
@@ -258,7 +255,7 @@ class Qwen3Model(nn.Module):
         h = self.embed(input_ids)
         fused = self._fused_weights(h, attn_impl)
         if fused is not None:
-            return self._forward_fused(h, fused, cos, sin, meta, slot_mapping, kv_cache,
+            return self._forward_few_rows(h, fused, cos, sin, meta, slot_mapping, kv_cache,
                                        capture_layers, attn_impl)
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
@@ -286,11 +283,8 @@ class Qwen3Model(nn.Module):
                       residual: Tensor | None, bias: Tensor | None, impl: str
                       ) -> tuple[Tensor, Tensor]:
         """``(rms_norm(residual + x) @ weight.T + bias, residual + x)`` for a few rows."""
-        eps = self.config.rms_norm_eps
-        if self.fuse_product_inputs:
-            return norm_gemv(x, norm_weight, eps, weight, residual=residual, bias=bias,
+        xn, h = add_rms_norm(x, norm_weight, self.config.rms_norm_eps, residual=residual,
                              impl=impl)
-        xn, h = add_rms_norm(x, norm_weight, eps, residual=residual, impl=impl)
         return gemv(xn, weight, bias, impl=impl), h
 
     def _fused_weights(self, h: Tensor, impl: str) -> list | None:
@@ -307,14 +301,14 @@ class Qwen3Model(nn.Module):
             out.append((qkv, gu[0]))
         return out
 
-    def _forward_fused(self, h: Tensor, weights: list, cos: Tensor, sin: Tensor,
+    def _forward_few_rows(self, h: Tensor, weights: list, cos: Tensor, sin: Tensor,
                        meta: AttentionMetadata, slot_mapping: Tensor, kv_cache: Tensor,
                        capture_layers: Sequence[int], impl: str) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`forward` for a few rows (decode, verify): four launches per layer for the
-        products, each reading its input through the op before it (:mod:`~kvstrata.kernels.
-        gemv`: the residual add and RMSNorm into q/k/v and gate/up, SiLU-and-multiply into
-        down), plus q/k norm + RoPE + K/V write and attention. The same values as the other
-        path up to the norms' and products' summation order."""
+        """:meth:`forward` for a few rows (decode, verify): every product is one
+        :func:`~kvstrata.kernels.gemv.gemv` launch (no split-K reduce launches), so each layer
+        is 9 Triton launches, which chain under programmatic dependent launch
+        (:func:`~kvstrata.kernels._device.pdl_ok`). The same values as the other path up to
+        the products' summation order."""
         cfg = self.config
         eps = cfg.rms_norm_eps
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -339,10 +333,7 @@ class Qwen3Model(nn.Module):
                      impl=impl)
             gu, h = self._norm_product(y, layer.post_attention_layernorm.weight, w_gu, h, None,
                                        impl)
-            if self.fuse_product_inputs:
-                y = silu_gemv(gu, mlp.down_proj.weight, impl=impl)
-            else:
-                y = gemv(silu_mul_merged(gu, impl=impl), mlp.down_proj.weight, impl=impl)
+            y = gemv(silu_mul_merged(gu, impl=impl), mlp.down_proj.weight, impl=impl)
         x, h = add_rms_norm(y, self.norm.weight, eps, residual=h, impl=impl)
         for j, l in enumerate(capture_layers):
             if l == len(self.layers) - 1:

@@ -1,6 +1,6 @@
-"""The few-rows matrix products (kernels/gemv.py) against the torch ops they replace: the
-interpreter on the CPU (fp16; bf16 through its float32 upcast), and on CUDA bf16 against cuBLAS,
-the fused input ops bit for bit against the separate kernels, PDL on == off."""
+"""The few-rows matrix product (kernels/gemv.py) against F.linear: the interpreter on the CPU
+(fp16; bf16 through its float32 upcast), and on CUDA bf16 against cuBLAS, deterministic, PDL on
+== off; the PDL switch's parsing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvstrata.kernels.gemv import GemvLaunch, gemv, gemv_launch, gemv_ok, norm_gemv, silu_gemv
-from kvstrata.kernels.layer_ops import add_rms_norm, add_rms_norm_ref, silu_mul_ref
+from kvstrata.kernels import _device
+from kvstrata.kernels.gemv import GemvLaunch, gemv, gemv_launch, gemv_ok
 
 SMALL = GemvLaunch(block_n=32, block_k=64, stages=2, warps=4)
 SHAPES = [(1, 64, 256), (5, 70, 192), (16, 32, 128)]      # rows, out, in (70: a partial tile)
@@ -27,9 +27,7 @@ def _operands(m, n, k, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
-    r = torch.randn(m, k, generator=g).to(dtype)
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-    return x, w, r, nw
+    return x, w
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -37,27 +35,16 @@ def _operands(m, n, k, dtype, seed=0):
 def test_interpreter_matches_the_torch_ops(m, n, k, dtype):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
-    x, w, r, nw = _operands(m, n, k, dtype)
+    x, w = _operands(m, n, k, dtype)
     b = torch.randn(n).to(dtype)
     _close(gemv(x, w, b, launch=SMALL, impl="triton"), F.linear(x.float(), w.float(),
                                                                  b.float()), dtype)
-    for res in (None, r):
-        out, h = norm_gemv(x, nw, 1e-6, w, residual=res, launch=SMALL, impl="triton")
-        xn, h_ref = add_rms_norm_ref(x, nw, 1e-6, res)
-        _close(out, F.linear(xn.float(), w.float()), dtype)
-        _close(h, h_ref, dtype)
-    gu = torch.randn(m, 2 * k).to(dtype)
-    _close(silu_gemv(gu, w, launch=SMALL, impl="triton"),
-           F.linear(silu_mul_ref(gu[:, :k], gu[:, k:]).float(), w.float()), dtype)
 
 
 def test_fallbacks_are_the_torch_ops():
-    x, w, r, nw = _operands(17, 32, 64, torch.float32)
+    x, w = _operands(17, 32, 64, torch.float32)
     assert not gemv_ok(x, w, "triton")                     # 17 rows, float32: F.linear
     assert torch.equal(gemv(x, w, impl="triton"), F.linear(x, w))
-    out, h = norm_gemv(x, nw, 1e-6, w, residual=r, impl="triton")
-    xn, h_ref = add_rms_norm_ref(x, nw, 1e-6, r)
-    assert torch.equal(out, F.linear(xn, w)) and torch.equal(h, h_ref)
     xb = x[:4].to(torch.bfloat16)
     assert not gemv_ok(xb, w[:, :64].to(torch.bfloat16))   # CPU, impl auto: torch
     with pytest.raises(ValueError, match="impl must be"):
@@ -84,28 +71,32 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [1, 3, 16])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1000, 512)])
 def test_cuda_bf16_against_cublas_and_the_separate_kernels(m, n, k):
-    x, w, r, nw = (t.cuda() for t in _operands(m, n, k, torch.bfloat16, seed=m + n))
+    x, w = (t.cuda() for t in _operands(m, n, k, torch.bfloat16, seed=m + n))
     ref = F.linear(x, w)
     _close(gemv(x, w), ref, torch.bfloat16)
     assert torch.equal(gemv(x, w), gemv(x, w))                      # deterministic
-    # The fused residual add is the separate kernel's bit for bit; the normed input differs
-    # only where the norm's sum order moves a rounding.
-    xn, h_ref = add_rms_norm(x, nw, 1e-6, residual=r)
-    out, h = norm_gemv(x, nw, 1e-6, w, residual=r)
-    assert torch.equal(h, h_ref)
-    _close(out, F.linear(xn, w), torch.bfloat16)
-    gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
-    _close(silu_gemv(gu, w), F.linear(silu_mul_ref(gu[:, :k], gu[:, k:]), w), torch.bfloat16)
+    b = torch.randn(n, device="cuda").to(torch.bfloat16)
+    _close(gemv(x, w, b), F.linear(x, w, b), torch.bfloat16)
 
 
 @cuda
 @pytest.mark.gpu
 def test_cuda_pdl_on_equals_off(monkeypatch):
-    from kvstrata.kernels import _device
-    x, w, r, nw = (t.cuda() for t in _operands(4, 4096, 4096, torch.bfloat16))
-    on = [norm_gemv(x, nw, 1e-6, w, residual=r)[0], silu_gemv(torch.cat([x, r], 1), w)]
+    x, w = (t.cuda() for t in _operands(4, 4096, 4096, torch.bfloat16))
+    assert _device.pdl_ok(x.device, "gemv") == (torch.cuda.get_device_capability()[0] >= 9)
+    on = gemv(x, w)
     monkeypatch.setenv(_device.PDL_ENV, "0")
-    assert not _device.pdl_ok(x.device)
-    off = [norm_gemv(x, nw, 1e-6, w, residual=r)[0], silu_gemv(torch.cat([x, r], 1), w)]
-    for a, b in zip(on, off):
-        assert torch.equal(a, b)
+    assert not _device.pdl_ok(x.device, "gemv")
+    assert torch.equal(on, gemv(x, w))
+
+
+def test_pdl_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    assert not _device.pdl_ok(cpu, "gemv")                          # never off CUDA
+    with pytest.raises(ValueError, match="unknown PDL kernel family"):
+        _device.pdl_ok(cpu, "matmul")
+    assert _device._pdl_families("1") == frozenset(_device.PDL_DEFAULT)
+    assert _device._pdl_families("0") == frozenset()
+    assert _device._pdl_families("gemv, attn") == {"gemv", "attn"}
+    with pytest.raises(ValueError, match="unknown families"):
+        _device._pdl_families("gemv,fast")

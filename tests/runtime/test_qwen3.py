@@ -287,9 +287,9 @@ def test_merged_weights_one_copy_same_state_same_outputs(models):
 
 
 def test_few_rows_fused_path_matches_the_layer_by_layer_path(models):
-    """Steps of at most 16 rows in half precision take the fused products (kernels/gemv.py:
-    residual add + norm and SiLU-and-multiply read inside the products); their logits, captured
-    layers and pool K/V match the layer-by-layer torch path up to half-precision rounding."""
+    """Steps of at most 16 rows in half precision take the few-rows path (every product one
+    kernels/gemv.py launch); its logits, captured layers and pool K/V match the torch path up to
+    half-precision rounding."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
