@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
-#   bash benchmarks/gpu_runner.sh [STEP ...]   steps: tests sweep b1 bench peer e2e
+#   bash benchmarks/gpu_runner.sh [STEP ...]   steps: tests sweep b1 pdl0 bench peer e2e profile
 # tests: the runner's CUDA test set; sweep: the batch-1 split sweep of the attention kernel;
 # b1: batch-1 steps with several min_split_tokens; bench: runner_bench (batches 1 16 64);
 # peer: the transformers peer (hf_decode_peer.py beside this repository's root, static cache +
-# compile); e2e: the shipped pair end to end. Markdown/logs go to $OUT/<step>.{md,log}.
+# compile); e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0;
+# profile: per-kernel device time of the batch-1 graphs and the linear layers alone
+# (runner_profile.py). Markdown/logs go to $OUT/<step>.{md,log}.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -18,6 +20,10 @@ for s in "${steps[@]}"; do
              --attn-contexts --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1 ;;
     b1) python3 benchmarks/runner_bench.py --batches 1 --steps 16 --attn-contexts 8192 \
           --min-split ${MIN_SPLITS:-256 512 1024} --out "$OUT/b1.md" > "$OUT/b1.log" 2>&1 ;;
+    pdl0) KVSTRATA_PDL=0 python3 benchmarks/runner_bench.py --batches 1 --steps 24 \
+            --attn-contexts --out "$OUT/pdl0.md" > "$OUT/pdl0.log" 2>&1 ;;
+    profile) python3 benchmarks/runner_profile.py --profile --gemm --out "$OUT/profile.md" \
+               > "$OUT/profile.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \
              ${BENCH_ARGS:-} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1 ;;
     e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \
@@ -25,5 +31,5 @@ for s in "${steps[@]}"; do
     peer) python3 "${PEER:-hf_decode_peer.py}" 1024 8192 > "$OUT/peer.log" 2>&1 ;;
     *) echo "unknown step $s" > "$OUT/$s.log" ;;
   esac
-  echo "== $s: rc=$? $(( $(date +%s) - start ))s"; tail -4 "$OUT/$s.log"
+  echo "== $s: rc=$? $(( $(date +%s) - start ))s"; tail -6 "$OUT/$s.log"
 done

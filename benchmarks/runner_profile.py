@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runner_bench import Bench, copy_rate, make_llm, replay_ms  # noqa: E402
 from engine_bench import PRESETS, build_models  # noqa: E402
 
-from kvstrata.kernels.gemv import GemvLaunch, gemv  # noqa: E402
+from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -70,12 +70,12 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
             best, best_lt = None, None
             for lt in grid:
                 try:
-                    y = gemv(x, ws[0], launch=lt)
+                    y = _gemv(x, ws[0], None, lt)
                     err = (y.float() - ref.float()).abs().max().item()
                     if err > 0.02 * ref.float().abs().max().item() + 1e-3:
                         print(f"{name} m{m} {lt}: wrong, max err {err}", flush=True)
                         continue
-                    t = run(lambda a, b: gemv(a, b, launch=lt))
+                    t = run(lambda a, b: _gemv(a, b, None, lt))
                 except Exception as e:  # noqa: BLE001 - tiles past the shared memory
                     print(f"{name} m{m} {lt}: {type(e).__name__}", flush=True)
                     continue

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
+from ..kernels.gemv import gemv
 from ..kernels.kv_write import write_kv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import (AttentionProjections, RMSNorm, SwiGLUMLP, merge_layer_weights,
@@ -129,13 +130,14 @@ class DFlashDrafter(nn.Module):
         feat, cos, sin = self._context_features(taps, positions)
         for layer in self.layers:
             a = layer.self_attn
-            _, k, v = qkv_norm_rope(a.qkv(feat, with_q=False), None, a.k_norm.weight,
-                                    a.k_norm.eps, cos, sin, 0, self.cfg.num_key_value_heads)
+            _, k, v = qkv_norm_rope(a.qkv(feat, with_q=False, product=gemv), None,
+                                    a.k_norm.weight, a.k_norm.eps, cos, sin, 0,
+                                    self.cfg.num_key_value_heads)
             yield k, v
 
     def _context_features(self, taps: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         c = self.cfg
-        feat = self.hidden_norm(self.fc(taps.to(self.dtype)))
+        feat = self.hidden_norm(gemv(taps.to(self.dtype), self.fc.weight, self.fc.bias))
         return (feat, *rope_cos_sin(positions, c.head_dim, c.rope_theta, feat.dtype))
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
@@ -146,9 +148,9 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             # k/v in one product, k-norm + RoPE and the write in one launch.
-            qkv_norm_rope(a.qkv(feat, with_q=False), None, a.k_norm.weight, a.k_norm.eps, cos,
-                          sin, 0, self.cfg.num_key_value_heads, kv_cache=kv_cache, layer=i,
-                          slot_mapping=slot_mapping, impl=impl)
+            qkv_norm_rope(a.qkv(feat, with_q=False, product=gemv), None, a.k_norm.weight,
+                          a.k_norm.eps, cos, sin, 0, self.cfg.num_key_value_heads,
+                          kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
     def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
@@ -159,18 +161,19 @@ class DFlashDrafter(nn.Module):
         """
         c = self.cfg
         x = noise.to(self.dtype)
-        T = x.shape[0]
         eps, hq, hkv = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        # As the target's forward: residual adds fused into the next norm (kernels.layer_ops).
+        # As the target's forward: residual adds fused into the next norm (kernels.layer_ops),
+        # products through kernels.gemv (one launch for a few rows on CUDA, else F.linear).
         h, x = add_rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            q, k, v = qkv_norm_rope(a.qkv(h), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps,
-                                    cos, sin, hq, hkv)
-            h, x = add_rms_norm(a.o_proj(attn(i, q, k, v).reshape(T, -1)),
+            q, k, v = qkv_norm_rope(a.qkv(h, product=gemv), a.q_norm.weight, a.k_norm.weight,
+                                    a.q_norm.eps, cos, sin, hq, hkv)
+            h, x = add_rms_norm(a.project_out(attn(i, q, k, v), product=gemv),
                                 layer.post_attention_layernorm.weight, eps, residual=x)
-            y = mlp.down_proj(silu_mul_merged(mlp.gate_up(h)))
+            y = gemv(silu_mul_merged(mlp.gate_up(h, product=gemv)), mlp.down_proj.weight,
+                     mlp.down_proj.bias)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = add_rms_norm(y, nxt.weight, eps, residual=x)
         return h

@@ -8,7 +8,9 @@ deterministic, graph replay equals eager), float32 accumulation, one rounding to
 dtype. On CPU, for more rows, or for shapes the kernel does not take it is ``F.linear``.
 
 Tiles are chosen per weight shape by :func:`gemv_launch` (measured on the H200,
-``benchmarks/runner_profile.py``); :class:`GemvLaunch` lets benchmarks and tests set them.
+``benchmarks/runner_profile.py``); benchmarks and tests try others through the private
+``_gemv(..., launch)``. Under programmatic dependent launch (:func:`~._device.pdl_ok`) a
+program reads its first weight tile before it waits for the previous kernel.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto") -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _launch(x: Tensor, weight: Tensor, k: int, launch: GemvLaunch | None) -> GemvLaunch | None:
+def _launch(weight: Tensor, k: int, launch: GemvLaunch | None) -> GemvLaunch | None:
     lt = launch or gemv_launch(weight.shape[0], k)
     bk = lt.block_k
     while bk > 16 and k % bk:
@@ -127,17 +129,23 @@ def _launch(x: Tensor, weight: Tensor, k: int, launch: GemvLaunch | None) -> Gem
     return lt if bk == lt.block_k else GemvLaunch(lt.block_n, bk, lt.stages, lt.warps)
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None,
-         launch: GemvLaunch | None = None, impl: str = "auto") -> Tensor:
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "auto") -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]``, ``weight [N, K]`` (``[M, N]`` out).
 
-    On CUDA with ``M <= GEMV_MAX_ROWS`` bf16/fp16 rows-contiguous operands one Triton launch,
-    else ``F.linear``. Values differ from cuBLAS's only by the summation order (float32 sums).
+    On CUDA with ``M <= GEMV_MAX_ROWS`` bf16/fp16 rows-contiguous operands one Triton launch
+    with the measured tile (:func:`gemv_launch`), else ``F.linear``. Values differ from
+    cuBLAS's only by the summation order (float32 sums).
     """
+    return _gemv(x, weight, bias, None, impl)
+
+
+def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | None,
+          impl: str = "auto") -> Tensor:
+    """:func:`gemv` with a given tile (``None``: the default); benchmarks and tests."""
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
-    lt = _launch(x, weight, x.shape[-1], launch) if gemv_ok(x, weight, impl) else None
+    lt = _launch(weight, x.shape[-1], launch) if gemv_ok(x, weight, impl) else None
     if lt is None:
         return F.linear(x, weight, bias)
     M, K = x.shape

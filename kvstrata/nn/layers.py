@@ -9,11 +9,18 @@ with no renaming.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+#: ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T + bias``. The modules below take
+#: one as ``product`` (default ``F.linear``) so a model can run its products on a kernel of its
+#: choice (the target and drafter pass ``kvstrata.kernels.gemv.gemv``) without this layer
+#: importing kernels.
+Product = Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -146,17 +153,13 @@ class MergedLinear:
             at += l.out_features
         return True
 
-    def held(self) -> tuple[Tensor, Tensor | None] | None:
-        """``(weight, bias)`` of the merged product while the views hold, else ``None``."""
-        return (self.weight, self.bias) if self.holds() else None
-
-    def __call__(self, x: Tensor, first: int = 0) -> Tensor:
+    def __call__(self, x: Tensor, first: int = 0, product: Product = F.linear) -> Tensor:
         """``cat([l(x) for l in linears[first:]], -1)``; the linears from ``first`` on are
         adjacent rows of the merged weight, so this is one product too."""
         if self.holds():
             at = sum(l.out_features for l in self.linears[:first])
-            return F.linear(x, self.weight[at:], None if self.bias is None else self.bias[at:])
-        return torch.cat([l(x) for l in self.linears[first:]], -1)
+            return product(x, self.weight[at:], None if self.bias is None else self.bias[at:])
+        return torch.cat([product(x, l.weight, l.bias) for l in self.linears[first:]], -1)
 
 
 def merged(linears: Sequence[nn.Linear], current: MergedLinear | None) -> MergedLinear:
@@ -182,15 +185,12 @@ class SwiGLUMLP(nn.Module):
         """Gate and up as one matrix (views; idempotent)."""
         self._gate_up = merged((self.gate_proj, self.up_proj), self._gate_up)
 
-    def merged_gate_up(self) -> tuple[Tensor, Tensor | None] | None:
-        """The ``[2 * inter, hidden]`` gate/up matrix (and bias) while merged, else ``None``."""
-        return None if self._gate_up is None else self._gate_up.held()
-
-    def gate_up(self, x: Tensor) -> Tensor:
+    def gate_up(self, x: Tensor, product: Product = F.linear) -> Tensor:
         """``cat(gate_proj(x), up_proj(x), -1)``: ``[T, 2 * inter]``, one product when merged."""
         if self._gate_up is None:
-            return torch.cat([self.gate_proj(x), self.up_proj(x)], -1)
-        return self._gate_up(x)
+            return torch.cat([product(x, l.weight, l.bias)
+                              for l in (self.gate_proj, self.up_proj)], -1)
+        return self._gate_up(x, product=product)
 
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up(x)
@@ -231,18 +231,13 @@ class AttentionProjections(nn.Module):
         if self.q_proj.in_features == self.k_proj.in_features:
             self._qkv = merged((self.q_proj, self.k_proj, self.v_proj), self._qkv)
 
-    def merged_qkv(self) -> tuple[Tensor, Tensor | None] | None:
-        """The ``[(Hq + 2 Hkv) * D, hidden]`` q/k/v matrix (and bias) while merged, else
-        ``None``."""
-        return None if self._qkv is None else self._qkv.held()
-
-    def qkv(self, x: Tensor, with_q: bool = True) -> Tensor:
+    def qkv(self, x: Tensor, with_q: bool = True, product: Product = F.linear) -> Tensor:
         """``cat(q_proj(x), k_proj(x), v_proj(x), -1)``: ``[T, (Hq + 2 Hkv) * D]`` (k and v
         only unless ``with_q``), one product when merged (k, v are adjacent rows)."""
         if self._qkv is None:
-            return torch.cat(([self.q_proj(x)] if with_q else []) + [self.k_proj(x),
-                                                                     self.v_proj(x)], -1)
-        return self._qkv(x, first=0 if with_q else 1)
+            lins = ((self.q_proj,) if with_q else ()) + (self.k_proj, self.v_proj)
+            return torch.cat([product(x, l.weight, l.bias) for l in lins], -1)
+        return self._qkv(x, first=0 if with_q else 1, product=product)
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
@@ -254,8 +249,9 @@ class AttentionProjections(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         return apply_rotary(k, cos, sin), v
 
-    def project_out(self, o: Tensor) -> Tensor:
-        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+    def project_out(self, o: Tensor, product: Product = F.linear) -> Tensor:
+        return product(o.reshape(o.shape[0], self.num_heads * self.head_dim), self.o_proj.weight,
+                       self.o_proj.bias)
 
 
 def merge_layer_weights(layers: Sequence[nn.Module]) -> None:
@@ -269,6 +265,7 @@ def merge_layer_weights(layers: Sequence[nn.Module]) -> None:
             layer.mlp.merge()
 
 
-__all__ = ["AttentionProjections", "MergedLinear", "RMSNorm", "RotaryEmbedding", "SwiGLUMLP",
+__all__ = ["AttentionProjections", "MergedLinear", "Product", "RMSNorm", "RotaryEmbedding",
+           "SwiGLUMLP",
            "apply_rotary", "merge_layer_weights", "merged", "rms_norm", "rope_cos_sin",
            "rope_inv_freq"]

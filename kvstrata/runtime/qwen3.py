@@ -9,6 +9,7 @@ used by every layer). One forward serves prefill chunks, decode and speculative 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.gemv import gemv, gemv_ok
+from ..kernels.gemv import gemv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -252,92 +253,33 @@ class Qwen3Model(nn.Module):
         eps = cfg.rms_norm_eps
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
-        h = self.embed(input_ids)
-        fused = self._fused_weights(h, attn_impl)
-        if fused is not None:
-            return self._forward_few_rows(h, fused, cos, sin, meta, slot_mapping, kv_cache,
-                                       capture_layers, attn_impl)
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
-        x, h = add_rms_norm(h, self.layers[0].input_layernorm.weight, eps, impl=attn_impl)
+        # Every product is kernels.gemv: one Triton launch for a few rows (decode, verify at
+        # batch 1) on CUDA, F.linear otherwise.
+        x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
+                            impl=attn_impl)
+        mm = functools.partial(gemv, impl=attn_impl)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
             # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
-            q, _, _ = qkv_norm_rope(attn.qkv(x), attn.q_norm.weight, attn.k_norm.weight,
-                                    attn.q_norm.eps, cos, sin, hq, hkv, kv_cache=kv_cache,
-                                    layer=i, slot_mapping=slot_mapping, impl=attn_impl)
+            q, _, _ = qkv_norm_rope(attn.qkv(x, product=mm), attn.q_norm.weight,
+                                    attn.k_norm.weight, attn.q_norm.eps, cos, sin, hq, hkv,
+                                    kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping,
+                                    impl=attn_impl)
             o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                 sliding_window=windows[i], impl=attn_impl)
-            x, h = add_rms_norm(attn.project_out(o), layer.post_attention_layernorm.weight, eps,
-                                residual=h, impl=attn_impl)
-            y = mlp.down_proj(silu_mul_merged(mlp.gate_up(x), impl=attn_impl))
+            x, h = add_rms_norm(attn.project_out(o, product=mm),
+                                layer.post_attention_layernorm.weight, eps, residual=h,
+                                impl=attn_impl)
+            y = mm(silu_mul_merged(mlp.gate_up(x, product=mm), impl=attn_impl),
+                   mlp.down_proj.weight, mlp.down_proj.bias)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = add_rms_norm(y, nxt.weight, eps, residual=h, impl=attn_impl)
             for j, l in enumerate(capture_layers):
                 if l == i:
                     captured[j] = h
-        return x, captured  # type: ignore[return-value]
-
-    def _norm_product(self, x: Tensor, norm_weight: Tensor, weight: Tensor,
-                      residual: Tensor | None, bias: Tensor | None, impl: str
-                      ) -> tuple[Tensor, Tensor]:
-        """``(rms_norm(residual + x) @ weight.T + bias, residual + x)`` for a few rows."""
-        xn, h = add_rms_norm(x, norm_weight, self.config.rms_norm_eps, residual=residual,
-                             impl=impl)
-        return gemv(xn, weight, bias, impl=impl), h
-
-    def _fused_weights(self, h: Tensor, impl: str) -> list | None:
-        """Per layer the merged q/k/v and gate/up ``(weight, bias)``, when this step takes the
-        few-rows path (:func:`~kvstrata.kernels.gemv.gemv_ok`: CUDA, at most 16 rows, merged
-        weights), else ``None``."""
-        if impl == "torch" or not gemv_ok(h, self.layers[0].mlp.down_proj.weight, impl):
-            return None
-        out = []
-        for layer in self.layers:
-            qkv, gu = layer.self_attn.merged_qkv(), layer.mlp.merged_gate_up()
-            if qkv is None or gu is None or gu[1] is not None:
-                return None
-            out.append((qkv, gu[0]))
-        return out
-
-    def _forward_few_rows(self, h: Tensor, weights: list, cos: Tensor, sin: Tensor,
-                       meta: AttentionMetadata, slot_mapping: Tensor, kv_cache: Tensor,
-                       capture_layers: Sequence[int], impl: str) -> tuple[Tensor, list[Tensor]]:
-        """:meth:`forward` for a few rows (decode, verify): every product is one
-        :func:`~kvstrata.kernels.gemv.gemv` launch (no split-K reduce launches), so each layer
-        is 9 Triton launches, which chain under programmatic dependent launch
-        (:func:`~kvstrata.kernels._device.pdl_ok`). The same values as the other path up to
-        the products' summation order."""
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-        windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
-        captured: list[Tensor | None] = [None] * len(capture_layers)
-        T = h.shape[0]
-        y = None
-        for i, (layer, ((w_qkv, b_qkv), w_gu)) in enumerate(zip(self.layers, weights)):
-            attn, mlp = layer.self_attn, layer.mlp
-            # h: the residual stream after layer i - 1 (written by this launch for i > 0).
-            qkv, h = self._norm_product(h if y is None else y, layer.input_layernorm.weight,
-                                        w_qkv, None if y is None else h, b_qkv, impl)
-            for j, l in enumerate(capture_layers):
-                if l == i - 1:
-                    captured[j] = h
-            q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight,
-                                    attn.q_norm.eps, cos, sin, hq, hkv, kv_cache=kv_cache,
-                                    layer=i, slot_mapping=slot_mapping, impl=impl)
-            o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                sliding_window=windows[i], impl=impl)
-            y = gemv(o.reshape(T, hq * cfg.head_dim), attn.o_proj.weight, attn.o_proj.bias,
-                     impl=impl)
-            gu, h = self._norm_product(y, layer.post_attention_layernorm.weight, w_gu, h, None,
-                                       impl)
-            y = gemv(silu_mul_merged(gu, impl=impl), mlp.down_proj.weight, impl=impl)
-        x, h = add_rms_norm(y, self.norm.weight, eps, residual=h, impl=impl)
-        for j, l in enumerate(capture_layers):
-            if l == len(self.layers) - 1:
-                captured[j] = h
         return x, captured  # type: ignore[return-value]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

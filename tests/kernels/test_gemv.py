@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.kernels import _device
-from kvstrata.kernels.gemv import GemvLaunch, gemv, gemv_launch, gemv_ok
+from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv, gemv_launch, gemv_ok
 
 SMALL = GemvLaunch(block_n=32, block_k=64, stages=2, warps=4)
 SHAPES = [(1, 64, 256), (5, 70, 192), (16, 32, 128)]      # rows, out, in (70: a partial tile)
@@ -37,8 +37,8 @@ def test_interpreter_matches_the_torch_ops(m, n, k, dtype):
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
     x, w = _operands(m, n, k, dtype)
     b = torch.randn(n).to(dtype)
-    _close(gemv(x, w, b, launch=SMALL, impl="triton"), F.linear(x.float(), w.float(),
-                                                                 b.float()), dtype)
+    _close(_gemv(x, w, b, SMALL, impl="triton"), F.linear(x.float(), w.float(), b.float()),
+           dtype)
 
 
 def test_fallbacks_are_the_torch_ops():

@@ -286,22 +286,24 @@ def test_merged_weights_one_copy_same_state_same_outputs(models):
         model.layers[0].self_attn.k_proj.weight[0, 0] -= 1.0
 
 
-def test_few_rows_fused_path_matches_the_layer_by_layer_path(models):
-    """Steps of at most 16 rows in half precision take the few-rows path (every product one
-    kernels/gemv.py launch); its logits, captured layers and pool K/V match the torch path up to
-    half-precision rounding."""
+def test_few_rows_gemv_path_matches_the_torch_path(models):
+    """Steps of at most 16 rows in half precision run every product as one kernels/gemv.py
+    launch (here the interpreter: impl "triton"); logits, captured layers and pool K/V match the
+    torch path (impl "torch": F.linear) up to half-precision rounding."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
+    from kvstrata.kernels import gemv as gemv_mod
     _, _, d = models
     m = Qwen3Model.from_pretrained(d, dtype="float16")
-    probe = torch.zeros(3, m.config.hidden_size, dtype=torch.float16)
-    assert m._fused_weights(probe, "triton") is None       # autograd on: the torch ops
-    with torch.no_grad():
-        assert m._fused_weights(probe, "triton") is not None
-        assert m._fused_weights(probe, "torch") is None
-        assert m._fused_weights(torch.zeros(17, m.config.hidden_size, dtype=torch.float16),
-                                "triton") is None          # 17 rows: the cuBLAS path
+    launches = []
+    real = gemv_mod._gemv_kernel
+
+    class Count:                      # counts kernel launches, then launches for real
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
     fused, plain = Runner(m, impl="triton"), Runner(m, impl="torch")
     for r in (fused, plain):
         r.pool.kv["target"].zero_()
@@ -310,7 +312,13 @@ def test_few_rows_fused_path_matches_the_layer_by_layer_path(models):
     with torch.no_grad():
         steps = [{0: PROMPTS[0]}, {1: PROMPTS[1]}, {0: [5], 1: [6]}, {0: [7], 1: [8]}]
         for chunk in steps:
-            got, cap_f = fused.step(chunk, capture=(0, 2))
+            launches.clear()
+            gemv_mod._gemv_kernel = Count()
+            try:
+                got, cap_f = fused.step(chunk, capture=(0, 2))
+            finally:
+                gemv_mod._gemv_kernel = real
+            assert len(launches) == 4 * m.config.num_hidden_layers    # q/k/v, o, gate/up, down
             want, cap_p = plain.step(chunk, capture=(0, 2))
             for sid in got:
                 torch.testing.assert_close(got[sid], want[sid], atol=2e-2, rtol=0)
