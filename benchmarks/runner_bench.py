@@ -172,12 +172,13 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
     return out
 
 
-def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36) -> list[dict]:
+def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36, align: int = 128
+                ) -> list[dict]:
     """Batch-1 causal attention of ``q_len`` queries (decode 1, verify 16) over ``ctx`` tokens,
     36 layers in one graph, per layer: every split count (``tokens_per_split = ctx / splits``)
     x KV tile (BLOCK_N) x pipeline stages x grid as the runner builds it (64 split programs,
     the step's split length read from device memory, the idle ones exit) or exactly
-    ``splits`` wide."""
+    ``splits`` wide. Split lengths are rounded up to ``align`` tokens (a multiple of 32)."""
     import dataclasses
     from kvstrata.kernels import attention_triton as at
     from kvstrata.kernels.attention_plan import plan_attention
@@ -189,7 +190,7 @@ def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36) -> list[dict]
     rows = []
     for splits in (4, 8, 16, 32, 64):
         per = -(-ctx // splits)
-        per = -(-per // 128) * 128
+        per = -(-per // align) * align
         for block_n, stages, grid in itertools.product((32, 64), (2, 3), ("exact", "runner")):
             base = plan_attention(bt, [ctx], [q_len], page_size=16, num_kv_heads=8,
                                   num_splits=splits if grid == "exact" else 64)
@@ -324,6 +325,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="batch-1 split sweep of the attention kernel (decode and verify-16)")
     ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--sweep-align", type=int, default=128,
+                    help="split lengths of the sweep are multiples of this (>= 32)")
     ap.add_argument("--min-split", type=int, nargs="*", default=[],
                     help="batch-1 steps again with these RunnerConfig.min_split_tokens "
                          "(set per step on the captured graphs)")
@@ -355,7 +358,7 @@ def main():
                   "us/layer | x floor |", "|---|---|---|---|---|---|---|---|---|"]
         for ctx in args.sweep_contexts:
             for q_len in (1, 16):
-                for r in split_sweep(ctx, q_len, bw):
+                for r in split_sweep(ctx, q_len, bw, align=args.sweep_align):
                     res.setdefault("split_sweep", []).append(r)
                     lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
                                  f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
