@@ -38,9 +38,10 @@ def _pdl_device(device: torch.device) -> bool:
 #: H200 (docs/benchmarks.md, runner section, batch 1 at 1k, one call): the products and the
 #: element-wise kernels chained this way take the plain decode step from 5.15 to 4.68 ms and
 #: verify-16 from 5.05 to 4.91 ms; the attention and split-merge launches as PDL secondaries
-#: lose (every family on: 4.89 / 5.32 ms), so they stay off. ``trigger``: the split merge, not
-#: itself a PDL launch, lets the next kernel (the o_proj product) start before it finishes.
-PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce", "trigger")
+#: lose (every family on: 4.89 / 5.32 ms), so they stay off. (Letting the split merge, not
+#: itself a PDL launch, start the o_proj product early lost too: speculative step 6.71 ms
+#: against 6.38.)
+PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
 PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
 
 

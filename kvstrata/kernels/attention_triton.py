@@ -264,15 +264,13 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qb
 def _reduce_splits_kernel(part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_heads,
                           s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
-                          TRIGGER: tl.constexpr):
+                          SPLITS_PAD: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr):
     """Merge split partials of ``HEADS`` query heads of one token:
     out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max). Several heads per program keep
     the grid small: with one (token, head) per program, verify's 4096-program merge (8 x 1k,
     16 tokens, 4 splits) spent 12.9 us launching programs."""
     if PDL:
         gdc_wait()
-    if PDL or TRIGGER:   # the next kernel may start; it waits for this one's completion
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -417,8 +415,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads,
-            PDL=pdl_red, TRIGGER=pdl_ok(q.device, "trigger"), num_warps=4,
-            **({"launch_pdl": True} if pdl_red else {}))
+            PDL=pdl_red, num_warps=4, **({"launch_pdl": True} if pdl_red else {}))
     return out
 
 

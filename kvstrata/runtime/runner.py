@@ -48,8 +48,15 @@ from .step import StepItem, StepTiming
 #: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
 #: (overrides :attr:`RunnerConfig.cuda_graphs`).
 GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
-#: ``tokens_per_split`` of the graphs' plans is a multiple of this (every kernel tile divides it).
+#: ``min_split_tokens`` is a multiple of this (every kernel tile divides it); so is a step's
+#: split length when a model has sliding-window layers (the kernel's window start needs its
+#: KV tile to divide the split length).
 _SPLIT_ALIGN = 128
+#: Otherwise a step's split length is a multiple of this: the longest context spreads over
+#: every split program of the graph's grid. H200, batch 1 at 1k in the runner's grid (split
+#: sweep, docs/benchmarks.md): 32-token splits took decode attention from 15.9 to 10.1 us
+#: per layer and verify-16 from 21.9 to 14.3 against 256-token splits.
+_SPLIT_STEP = 32
 #: Default :attr:`RunnerConfig.min_split_tokens`: the H200 split sweep (docs/benchmarks.md, issue
 #: 13) ran batch-1 decode and verify-16 at 8k fastest with 128-256-token splits (64 or 32 of
 #: them), against 21.9 / 23.9 us per layer with the 512-token splits the default policy chose.
@@ -67,10 +74,11 @@ class RunnerConfig:
             batch runs in the graph of the smallest size that holds it.
         timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
-        min_split_tokens: the decode path's split-KV plans cut a sequence into pieces of at
-            least this many tokens (a multiple of 128): the graphs' grids are sized for splits
-            this short at ``max_seq_len`` (the plan policy's ``min_tokens``), and each step
-            splits the longest context of the batch evenly over them, never shorter than this
+        min_split_tokens: sizes the decode path's split-KV grids (a multiple of 128): the
+            graphs hold as many split programs as splits this long of ``max_seq_len`` need
+            (the plan policy's ``min_tokens``), and each step spreads the longest context of
+            the batch evenly over all of them, in multiples of 32 tokens (128 with
+            sliding-window layers), so short contexts run short splits
             (``benchmarks/runner_bench.py --sweep``).
     """
 
@@ -179,6 +187,10 @@ class ModelRunner:
         self.qlen32 = torch.zeros(mb, dtype=torch.int32, device=dev)
         self.split_tokens = self._small[3 * mb:]
         self.min_split_tokens = config.min_split_tokens
+        windowed = bool(target.config.sliding_windows and any(
+            w is not None for w in target.config.sliding_windows)) or (
+            drafter is not None and any(w is not None for w in drafter.cfg.layer_window))
+        self._split_step = _SPLIT_ALIGN if windowed else _SPLIT_STEP
         self.block_tables = torch.zeros((mb, self.max_pages), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros((3, mb), dtype=torch.int32, device=dev)
         self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
@@ -235,10 +247,10 @@ class ModelRunner:
         return max(1, min(s, math.ceil(self.max_seq_len / m)))
 
     def _split_len(self, longest: int, splits: int) -> int:
-        """Tokens per split: ``longest`` over ``splits`` programs, aligned, at least
-        ``min_split_tokens``."""
-        per = math.ceil(math.ceil(max(longest, 1) / splits) / _SPLIT_ALIGN) * _SPLIT_ALIGN
-        return max(per, self.min_split_tokens)
+        """Tokens per split: ``longest`` spread evenly over ``splits`` programs, rounded up to
+        a multiple of ``_SPLIT_STEP`` (``_SPLIT_ALIGN`` with sliding-window layers)."""
+        step = self._split_step
+        return math.ceil(math.ceil(max(longest, 1) / splits) / step) * step
 
     def _meta(self, b: int, which: int, causal: bool, splits: int) -> AttentionMetadata:
         return AttentionMetadata(

@@ -295,12 +295,15 @@ def test_device_split_length_and_padding_rows(q_len, fused):
     c = make_case([300, 70, 5], [q_len] * 3, hkv=2, group=4, head_dim=32, seed=3)
     seq_lens = c.meta.seq_lens.clone()
     seq_lens[2] = 0                       # the padding row
-    for per in (48, 64):                  # two steps' split lengths, same grid
-        meta = dataclasses.replace(c.meta, seq_lens=seq_lens, num_splits=8, tokens_per_split=16,
-                                   seq_lens_host=None,
+    # Two steps' split lengths over the same grid; the runner's device lengths are multiples of
+    # 32 that the plan's KV tile (from its host length) need not divide: 48 and 80 over tiles
+    # of 64 run a masked last tile.
+    for per, host, block_n in ((48, 16, 16), (64, 16, 16), (48, 64, 64), (80, 64, 64)):
+        meta = dataclasses.replace(c.meta, seq_lens=seq_lens, num_splits=8,
+                                   tokens_per_split=host, seq_lens_host=None,
                                    split_tokens=torch.tensor([per], dtype=torch.int32))
         got = paged_attention_triton(c.q, c.kv_cache, c.layer, meta, sm_scale=0.3,
-                                     config=dict(FUSED_REDUCE=fused, BLOCK_N=16))
+                                     config=dict(FUSED_REDUCE=fused, BLOCK_N=block_n))
         want = paged_attention_ref(c.q, c.kv_cache, c.layer, meta, sm_scale=0.3)
         torch.testing.assert_close(got.float(), want.float(), **tol(c.q.dtype))
         assert torch.count_nonzero(want[2 * q_len:]) == 0

@@ -248,8 +248,9 @@ def test_drafter_merged_weights_equal_the_separate_products(ckpts):
 
 def test_split_plans_follow_min_split_tokens(ckpts):
     """The graphs' split grids are sized for splits of ``min_split_tokens`` at max_seq_len,
-    and each step's split length is the longest context over them, never shorter (the
-    Qwen3-8B batch-1 case: 8 KV heads, 8k + 512 tokens, 132 SMs)."""
+    and each step spreads its longest context over all of them in multiples of 32 tokens (the
+    Qwen3-8B batch-1 case: 8 KV heads, 8k + 512 tokens, 132 SMs); with a sliding-window layer
+    the split lengths stay multiples of 128."""
     for m, want in ((256, 34), (512, 17), (128, 64)):
         llm = _llm(ckpts, runner=RunnerConfig(min_split_tokens=m))
         run = llm.runner
@@ -257,8 +258,15 @@ def test_split_plans_follow_min_split_tokens(ckpts):
         for q in (1, 16):
             assert run._splits(1, q, num_kv_heads=8) == want
         assert run._splits(16, 1, num_kv_heads=8) == 4          # 16 x 8 programs: 4 waves
-        assert run._split_len(8192 + 16, want) == max(m, 128 * -(-(8192 + 16) // (128 * want)))
-        assert run._split_len(100, want) == m
+        assert run._split_len(8192 + 16, want) == 32 * -(-(8192 + 16) // (32 * want))
+        assert run._split_len(1024 + 16, want) == 32 * -(-(1024 + 16) // (32 * want))
+        assert run._split_len(100, want) == 32
         assert run.plans(2).verify.tokens_per_split >= m
+    assert run._split_len(8192 + 16, 64) == 160 and run._split_len(1040, 34) == 32
+    windowed = LLM(ckpts["agree"][0], ckpts["sliding"][0], CacheConfig(
+        page_size=4, max_seq_len=96, max_batch_size=2, target_codec="identity",
+        draft_codec="identity"))
+    assert windowed.runner._split_len(100, 34) == 128
+    assert windowed.runner._split_len(1040, 4) == 384
     with pytest.raises(ValueError, match="min_split_tokens"):
         RunnerConfig(min_split_tokens=200)
