@@ -22,8 +22,8 @@ for s in "${steps[@]}"; do
           --min-split ${MIN_SPLITS:-256 512 1024} --out "$OUT/b1.md" > "$OUT/b1.log" 2>&1 ;;
     pdl0) KVSTRATA_PDL=0 python3 benchmarks/runner_bench.py --batches 1 --steps 24 \
             --attn-contexts --out "$OUT/pdl0.md" > "$OUT/pdl0.log" 2>&1 ;;
-    profile) python3 benchmarks/runner_profile.py --profile --gemm --out "$OUT/profile.md" \
-               > "$OUT/profile.log" 2>&1 ;;
+    profile) python3 benchmarks/runner_profile.py --profile --gemm --gemm-tiles \
+               --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \
              ${BENCH_ARGS:-} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1 ;;
     e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \

@@ -2,7 +2,8 @@
 decode/verify/draft graphs, and the linear layers' shapes alone against the copy rate.
 
 - ``--gemm``: every linear shape of the 8B-shaped target/drafter at 1 and 16 rows, ``F.linear``
-  (cuBLAS) and :func:`kvstrata.kernels.gemv.gemv` over a grid of tiles; each timed as a CUDA
+  (cuBLAS) and :func:`kvstrata.kernels.gemv.gemv` over a grid of tiles (``--gemm-tiles``:
+  block_n x block_k x stages x split_k); each timed as a CUDA
   graph running the product over several distinct copies of the weight (more bytes than L2
   holds), median of replays, per product. Ratio = time / (weight bytes / copy rate).
 - ``--profile``: torch.profiler over replays of the runner's graphs (plain b1, speculative b1)
@@ -47,8 +48,8 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 
 
 def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> None:
-    grid = [GemvLaunch(bn, bk, st, wp) for bn, bk, st, wp in itertools.product(
-        (16, 32, 64), (128, 256, 512), (3, 5), (4, 8))] if full else []
+    grid = [GemvLaunch(bn, bk, st, 4, sk) for bn, bk, st, sk in itertools.product(
+        (16, 32, 64), (128, 256), (3, 5), (1, 2, 4))] if full else []
     lines += ["", f"### Linear layers alone (copy rate {bw / 1e12:.3f} TB/s)", "",
               "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile |",
               "|---|---|---|---|---|---|---|"]
@@ -87,7 +88,8 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
             if best is None:
                 best, best_lt = t_def, None
             tile = ("default" if best_lt is None else
-                    f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}")
+                    f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}"
+                    f"/{best_lt.split_k}")
             lines.append(f"| {name} | {n} x {k} | {m} | {floor:.1f} | {t_cublas:.1f} "
                          f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} |")
             print(lines[-1], flush=True)

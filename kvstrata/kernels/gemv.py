@@ -15,6 +15,7 @@ program reads its first weight tile before it waits for the previous kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +37,19 @@ GEMV_MAX_ROWS = 16
 @dataclass(frozen=True)
 class GemvLaunch:
     """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program, ``block_k``
-    columns per loop step, ``stages`` loads in flight, ``warps`` per program."""
+    columns per loop step, ``stages`` loads in flight, ``warps`` per program; ``split_k`` > 1
+    cuts the columns into that many equal ranges, one program each, whose float32 partials the
+    last program of each row block sums in split order (deterministic, one launch)."""
 
     block_n: int = 32
     block_k: int = 256
     stages: int = 4
     warps: int = 4
+    split_k: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 16:
+            raise ValueError(f"GemvLaunch.split_k={self.split_k!r}: 1 to 16")
         for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -65,20 +71,23 @@ def gemv_launch(n: int, k: int) -> GemvLaunch:
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-                     UPCAST: tl.constexpr):
-        # K is a multiple of BLOCK_K (the wrapper checks); rows past M and columns past N are
-        # masked. Every program reads its BLOCK_N weight rows whole, in K order.
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
+                     PDL: tl.constexpr, UPCAST: tl.constexpr):
+        # K is a multiple of SPLIT_K * BLOCK_K (the wrapper checks); rows past M and columns
+        # past N are masked. Program (i, s) reads weight rows i * BLOCK_N ... whole over the
+        # s-th of SPLIT_K equal column ranges, in column order.
         pid = tl.program_id(0)
+        k_len = K // SPLIT_K
+        k_lo = tl.program_id(1) * k_len
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         n_ok = n < N
         m_ok = m < M
-        x_rows = x_ptr + m[:, None].to(tl.int64) * s_xm
-        w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
+        x_rows = x_ptr + m[:, None].to(tl.int64) * s_xm + k_lo
+        w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn + k_lo
         # The first weight tile is read before waiting on the previous kernel: a step never
         # writes weights, so under PDL this load overlaps that kernel's tail.
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
@@ -87,15 +96,38 @@ if triton is not None:
             gdc_launch_dependents()
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
         acc = _dot_t(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
-        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        for k0 in tl.range(BLOCK_K, k_len, BLOCK_K, num_stages=STAGES):
             k = k0 + kk
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
             acc = _dot_t(x, w, acc, UPCAST)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        out_mask = m_ok[:, None] & n_ok[None, :]
+        if SPLIT_K > 1:
+            # Deterministic split-K in one launch: every program stores its float32 partial;
+            # the last of a column block's SPLIT_K programs to arrive sums them in split order
+            # and resets the block's counter (zero again for the next launch or graph replay).
+            # The barrier orders all threads' partial stores before the gpu-scope acq_rel
+            # increment; the partials are read back through L2 (.cg), never a stale L1 line.
+            part = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
+            tl.store(part + tl.program_id(1).to(tl.int64) * BLOCK_M * N, acc, mask=out_mask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tl.debug_barrier()
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    acc += tl.load(part + s * BLOCK_M * N, mask=out_mask, other=0.0,
+                                   cache_modifier=".cg")
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :],
+                         acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.store(cnt_ptr + pid, 0)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
     @triton.jit
     def _dot_t(x, w, acc, UPCAST: tl.constexpr):
@@ -120,13 +152,18 @@ def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto") -> bool:
 
 
 def _launch(weight: Tensor, k: int, launch: GemvLaunch | None) -> GemvLaunch | None:
+    """``launch`` (or the default) fitted to ``k`` columns: ``block_k`` halved until
+    ``split_k * block_k`` divides ``k``, else no split; ``None`` when no tile fits."""
     lt = launch or gemv_launch(weight.shape[0], k)
-    bk = lt.block_k
-    while bk > 16 and k % bk:
-        bk //= 2
-    if k % bk or weight.shape[1] != k:
+    if weight.shape[1] != k:
         return None
-    return lt if bk == lt.block_k else GemvLaunch(lt.block_n, bk, lt.stages, lt.warps)
+    for split in dict.fromkeys((lt.split_k, 1)):
+        bk = lt.block_k
+        while bk > 16 and k % (split * bk):
+            bk //= 2
+        if k % (split * bk) == 0:
+            return dataclasses.replace(lt, block_k=bk, split_k=split)
+    return None
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "auto") -> Tensor:
@@ -152,10 +189,18 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     pdl = pdl_ok(x.device, "gemv")
-    _gemv_kernel[(triton.cdiv(N, lt.block_n),)](
-        x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16,
-        BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, PDL=pdl,
+    blocks = triton.cdiv(N, lt.block_n)
+    if lt.split_k > 1:
+        from .attention_triton import split_counters   # zeroed between launches
+        part = torch.empty((lt.split_k, GEMV_MAX_ROWS, N), dtype=torch.float32,
+                           device=x.device)
+        cnt = split_counters(x.device, blocks)
+    else:
+        part = cnt = out                                # unused
+    _gemv_kernel[(blocks, lt.split_k)](
+        x, weight, bias if bias is not None else weight, out, part, cnt, M, N, K, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS,
+        BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, SPLIT_K=lt.split_k, PDL=pdl,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
         **({"launch_pdl": True} if pdl else {}))
     return out

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -37,8 +38,16 @@ def test_interpreter_matches_the_torch_ops(m, n, k, dtype):
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
     x, w = _operands(m, n, k, dtype)
     b = torch.randn(n).to(dtype)
-    _close(_gemv(x, w, b, SMALL, impl="triton"), F.linear(x.float(), w.float(), b.float()),
-           dtype)
+    want = F.linear(x.float(), w.float(), b.float())
+    _close(_gemv(x, w, b, SMALL, impl="triton"), want, dtype)
+    # Split over K: the last program of each row block sums the partials in split order.
+    from kvstrata.kernels.attention_triton import split_counters
+    for split in (2, 4):
+        lt = dataclasses.replace(SMALL, split_k=split)
+        got = _gemv(x, w, b, lt, impl="triton")
+        _close(got, want, dtype)
+        assert torch.equal(got, _gemv(x, w, b, lt, impl="triton"))          # deterministic
+        assert not split_counters(x.device, 8).any()                        # reset to zero
 
 
 def test_fallbacks_are_the_torch_ops():
@@ -58,6 +67,14 @@ def test_launch_validation_and_defaults():
         GemvLaunch(block_n=24)
     with pytest.raises(ValueError, match="stages"):
         GemvLaunch(stages=0)
+    with pytest.raises(ValueError, match="split_k"):
+        GemvLaunch(split_k=0)
+    from kvstrata.kernels.gemv import _launch
+    w = torch.empty(8, 192)
+    assert _launch(w, 192, GemvLaunch(32, 128, 2, 4, split_k=2)) == GemvLaunch(32, 32, 2, 4, 2)
+    assert _launch(w, 192, GemvLaunch(32, 64, 2, 4, split_k=4)) == GemvLaunch(32, 16, 2, 4, 4)
+    assert _launch(w, 192, GemvLaunch(32, 64, 2, 4, split_k=5)) == GemvLaunch(32, 64, 2, 4, 1)
+    assert _launch(w, 100, None) is None
     assert gemv_launch(6144, 4096) == GemvLaunch(64, 128, 5, 4)
     assert gemv_launch(24576, 4096) == GemvLaunch(64, 128, 3, 4)
     assert gemv_launch(4096, 12288) == GemvLaunch(32, 256, 5, 4)
@@ -77,6 +94,11 @@ def test_cuda_bf16_against_cublas_and_the_separate_kernels(m, n, k):
     assert torch.equal(gemv(x, w), gemv(x, w))                      # deterministic
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     _close(gemv(x, w, b), F.linear(x, w, b), torch.bfloat16)
+    for split in (2, 4):                         # split over K (not yet a default tile)
+        lt = GemvLaunch(32, 128, 3, 4, split_k=split)
+        got = _gemv(x, w, b, lt)
+        _close(got, F.linear(x, w, b), torch.bfloat16)
+        assert torch.equal(got, _gemv(x, w, b, lt))
 
 
 @cuda
