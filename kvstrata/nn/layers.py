@@ -266,6 +266,5 @@ def merge_layer_weights(layers: Sequence[nn.Module]) -> None:
 
 
 __all__ = ["AttentionProjections", "MergedLinear", "Product", "RMSNorm", "RotaryEmbedding",
-           "SwiGLUMLP",
-           "apply_rotary", "merge_layer_weights", "merged", "rms_norm", "rope_cos_sin",
-           "rope_inv_freq"]
+           "SwiGLUMLP", "apply_rotary", "merge_layer_weights", "merged", "rms_norm",
+           "rope_cos_sin", "rope_inv_freq"]
