@@ -26,25 +26,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runner_bench import Bench, copy_rate, make_llm, replay_ms  # noqa: E402
+from runner_bench import Bench, _graph_us, copy_rate, make_llm, replay_ms  # noqa: E402
 from engine_bench import PRESETS, build_models  # noqa: E402
 
 from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
-
-
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    return g
 
 
 def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> None:
@@ -63,8 +51,7 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
             floor = size / bw * 1e6
 
             def run(f):
-                g = graph_of(lambda: [f(x, w) for w in ws])
-                return replay_ms(g, 20) * 1e3 / copies
+                return _graph_us(lambda: [f(x, w) for w in ws], copies)
 
             ref = F.linear(x, ws[0])
             t_cublas = run(F.linear)

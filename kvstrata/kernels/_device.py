@@ -63,6 +63,12 @@ def pdl_ok(device: torch.device, family: str) -> bool:
     return family in _pdl_families(os.environ.get(PDL_ENV, "1")) and _pdl_device(device)
 
 
+def pdl_launch(device: torch.device, family: str) -> dict:
+    """Launch arguments of a kernel with a ``PDL`` constexpr: ``PDL`` and, when on (see
+    :func:`pdl_ok`), Triton's ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if pdl_ok(device, family) else {"PDL": False}
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_families(value: str) -> frozenset:
     v = value.strip()

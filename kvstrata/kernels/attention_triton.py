@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_ok  # noqa: F401
+from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch  # noqa: F401
 from .attention_plan import REDUCE_TILE, AttentionMetadata, block_q_for, kernel_config
 
 _LOG2E = 1.4426950408889634
@@ -377,8 +377,6 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     else:
         bk = bv = q  # unused (HAS_BLOCK=False)
     grid = (meta.num_seqs * num_q_blocks, hkv, splits)
-    pdl = pdl_ok(q.device, "attn")
-    launch = {"launch_pdl": True} if pdl else {}
     # Triton 3.9's interpreter computes bf16 tl.dot wrongly (numpy has no bf16): on the CPU
     # interpreter only, bf16 tiles are multiplied in fp32.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -401,11 +399,10 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
         RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
-        QLENS=meta.query_lens is not None, PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch,
+        QLENS=meta.query_lens is not None, **pdl_launch(q.device, "attn"),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
-        pdl_red = pdl_ok(q.device, "reduce")
         splits_pad = max(2, triton.next_power_of_2(splits))
         # powers of two all: so is heads
         heads = max(1, min(triton.next_power_of_2(hq),
@@ -415,7 +412,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
             HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], SPLITS_PAD=splits_pad, HEADS=heads,
-            PDL=pdl_red, num_warps=4, **({"launch_pdl": True} if pdl_red else {}))
+            num_warps=4, **pdl_launch(q.device, "reduce"))
     return out
 
 

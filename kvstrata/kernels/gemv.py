@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._device import gdc_launch_dependents, gdc_wait, pdl_ok  # noqa: F401 - used in kernels
+from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 
 try:
     import triton
@@ -188,7 +188,6 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    pdl = pdl_ok(x.device, "gemv")
     blocks = triton.cdiv(N, lt.block_n)
     if lt.split_k > 1:
         from .attention_triton import split_counters   # zeroed between launches
@@ -200,9 +199,9 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     _gemv_kernel[(blocks, lt.split_k)](
         x, weight, bias if bias is not None else weight, out, part, cnt, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS,
-        BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, SPLIT_K=lt.split_k, PDL=pdl,
+        BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, SPLIT_K=lt.split_k,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
-        **({"launch_pdl": True} if pdl else {}))
+        **pdl_launch(x.device, "gemv"))
     return out
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.layers import apply_rotary, rms_norm
-from ._device import gdc_launch_dependents, gdc_wait, pdl_ok  # noqa: F401 - used in kernels
+from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 from .kv_write import check_kv_write, write_kv_ref
 
 try:
@@ -193,12 +193,6 @@ if triton is not None:
         tl.store(out_ptr + offs, (s * u).to(dt), mask=ok)
 
 
-def _pdl(x: Tensor, family: str) -> dict:
-    """The launch arguments of a kernel with a ``PDL`` switch (:func:`pdl_ok`)."""
-    on = pdl_ok(x.device, family)
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
-
-
 def _use_triton(x: Tensor, impl: str) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
@@ -223,7 +217,8 @@ def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None 
         _add_rms_norm_kernel[(T,)](x, r, weight, out, h, dim, eps, x.stride(0), r.stride(0),
                                    out.stride(0), h.stride(0), HAS_RES=residual is not None,
                                    BLOCK=triton.next_power_of_2(dim),
-                                   num_warps=8 if dim >= 2048 else 4, **_pdl(x, "norm"))
+                                   num_warps=8 if dim >= 2048 else 4,
+                                   **pdl_launch(x.device, "norm"))
     return out, h
 
 
@@ -266,7 +261,8 @@ def silu_mul_merged(gate_up: Tensor, impl: str = "auto") -> Tensor:
     if T and n:
         _silu_mul_merged_kernel[(T, triton.cdiv(n, 1024))](gate_up, out, n, gate_up.stride(0),
                                                            out.stride(0), BLOCK=1024,
-                                                           num_warps=4, **_pdl(gate_up, "silu"))
+                                                           num_warps=4,
+                                                           **pdl_launch(gate_up.device, "silu"))
     return out
 
 
@@ -320,7 +316,7 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
             ka.stride(0), cos.stride(0), sin.stride(0), st[0], st[2], st[3], st[4],
             NQ=hq, NKV=hkv, HEAD_DIM=d, HALF=d // 2,
             PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=1,
-            **_pdl(qkv, "rope"))
+            **pdl_launch(qkv.device, "rope"))
     return q, k, v
 
 

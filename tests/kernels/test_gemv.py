@@ -115,6 +115,7 @@ def test_cuda_pdl_on_equals_off(monkeypatch):
 def test_pdl_switch(monkeypatch):
     cpu = torch.device("cpu")
     assert not _device.pdl_ok(cpu, "gemv")                          # never off CUDA
+    assert _device.pdl_launch(cpu, "gemv") == {"PDL": False}       # no launch_pdl either
     with pytest.raises(ValueError, match="unknown PDL kernel family"):
         _device.pdl_ok(cpu, "matmul")
     assert _device._pdl_families("1") == frozenset(_device.PDL_DEFAULT)
