@@ -35,13 +35,20 @@ SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
 
 
-def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> None:
+def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True,
+               shapes: list[str] | None = None, hot: bool = False) -> None:
+    """``hot``: also each product over one weight copy (L2-resident when it fits: what a
+    weight prefetched into L2 reads at)."""
+    # With a few shapes (a quicker call): no 16-row tiles and 5 stages only.
+    bns, sts = ((32, 64), (5,)) if shapes else ((16, 32, 64), (3, 5))
     grid = [GemvLaunch(bn, bk, st, 4, sk) for bn, bk, st, sk in itertools.product(
-        (16, 32, 64), (128, 256), (3, 5), (1, 2, 4))] if full else []
+        bns, (128, 256), sts, (1, 2, 4))] if full else []
     lines += ["", f"### Linear layers alone (copy rate {bw / 1e12:.3f} TB/s)", "",
-              "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile |",
-              "|---|---|---|---|---|---|---|"]
+              "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile | "
+              "default gemv us | L2-hot gemv us |", "|---|---|---|---|---|---|---|---|---|"]
     for name, (n, k) in SHAPES.items():
+        if shapes and name not in shapes:
+            continue
         size = n * k * 2
         copies = max(2, min(12, -(-400_000_000 // size)))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -71,14 +78,16 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True) -> 
                 if best is None or t < best:
                     best, best_lt = t, lt
             t_def = run(gemv)
-            print(f"{name} m{m}: default tile {t_def:.1f} us", flush=True)
+            t_hot = _graph_us(lambda: [gemv(x, ws[0]) for _ in ws], copies) if hot else None
+            print(f"{name} m{m}: default tile {t_def:.1f} us, one copy {t_hot} us", flush=True)
             if best is None:
                 best, best_lt = t_def, None
             tile = ("default" if best_lt is None else
                     f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}"
                     f"/{best_lt.split_k}")
             lines.append(f"| {name} | {n} x {k} | {m} | {floor:.1f} | {t_cublas:.1f} "
-                         f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} |")
+                         f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} | "
+                         f"{t_def:.1f} | {'-' if t_hot is None else f'{t_hot:.1f}'} |")
             print(lines[-1], flush=True)
         del ws
         torch.cuda.empty_cache()
@@ -138,6 +147,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--gemm-tiles", action="store_true", help="also sweep the tile grid")
+    ap.add_argument("--gemm-shapes", nargs="*", default=None, choices=sorted(SHAPES))
+    ap.add_argument("--gemm-hot", action="store_true",
+                    help="also each product over one (L2-resident) weight copy")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--out", default=None)
@@ -148,7 +160,7 @@ def main():
     if args.profile:
         profile_steps(args, lines)
     if args.gemm:
-        gemm_sweep(bw, lines, full=args.gemm_tiles)
+        gemm_sweep(bw, lines, full=args.gemm_tiles, shapes=args.gemm_shapes, hot=args.gemm_hot)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -41,8 +41,8 @@ def _pdl_device(device: torch.device) -> bool:
 #: lose (every family on: 4.89 / 5.32 ms), so they stay off. (Letting the split merge, not
 #: itself a PDL launch, start the o_proj product early lost too: speculative step 6.71 ms
 #: against 6.38.)
-PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
-PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
+PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce", "prefetch")
+PDL_DEFAULT = ("gemv", "norm", "rope", "silu", "prefetch")
 
 
 def pdl_ok(device: torch.device, family: str) -> bool:
