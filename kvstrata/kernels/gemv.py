@@ -16,13 +16,14 @@ program reads its first weight tile before it waits for the previous kernel.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
+from ._device import gdc_launch_dependents, gdc_wait, pdl_launch, prefetch_l2  # noqa: F401
 
 try:
     import triton
@@ -39,13 +40,16 @@ class GemvLaunch:
     """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program, ``block_k``
     columns per loop step, ``stages`` loads in flight, ``warps`` per program; ``split_k`` > 1
     cuts the columns into that many equal ranges, one program each, whose float32 partials the
-    last program of each row block sums in split order (deterministic, one launch)."""
+    last program of each row block sums in split order (deterministic, one launch);
+    ``prefetch`` > 0 (under PDL only): each program first asks L2 for that many bytes of each
+    of its rows (from its column range's start) while the previous kernel still runs."""
 
     block_n: int = 32
     block_k: int = 256
     stages: int = 4
     warps: int = 4
     split_k: int = 1
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 16:
@@ -54,6 +58,8 @@ class GemvLaunch:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemvLaunch.{name}={v}: a power of two >= 16")
+        if self.prefetch < 0 or self.prefetch % 16:
+            raise ValueError(f"GemvLaunch.prefetch={self.prefetch}: a multiple of 16 bytes")
         if not 1 <= self.stages <= 8 or self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemvLaunch: stages={self.stages} (1-8), warps={self.warps} "
                              "(1, 2, 4, 8 or 16)")
@@ -64,9 +70,10 @@ def gemv_launch(n: int, k: int) -> GemvLaunch:
     runner section: every tile of a grid, 1 and 16 rows): the Qwen3-8B shapes' best tiles
     were 64 x 128 for wide outputs (q/k/v 6144, gate/up 24576; 5 stages up to 8k rows, 3
     beyond) and 32 x 256 with 5 stages for 4096-wide ones (o_proj, down)."""
+    pf = int(os.environ.get("KVSTRATA_GEMV_PREFETCH", "0"))   # bytes per row; being measured
     if n >= 6144:
-        return GemvLaunch(64, 128, 5 if n <= 8192 else 3, 4)
-    return GemvLaunch(32, 256, 5, 4)
+        return GemvLaunch(64, 128, 5 if n <= 8192 else 3, 4, prefetch=min(pf, k * 2))
+    return GemvLaunch(32, 256, 5, 4, prefetch=min(pf, k * 2))
 
 
 if triton is not None:
@@ -74,7 +81,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
-                     PDL: tl.constexpr, UPCAST: tl.constexpr):
+                     PDL: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
         # K is a multiple of SPLIT_K * BLOCK_K (the wrapper checks); rows past M and columns
         # past N are masked. Program (i, s) reads weight rows i * BLOCK_N ... whole over the
         # s-th of SPLIT_K equal column ranges, in column order.
@@ -90,6 +97,10 @@ if triton is not None:
         w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn + k_lo
         # The first weight tile is read before waiting on the previous kernel: a step never
         # writes weights, so under PDL this load overlaps that kernel's tail.
+        if PREFETCH > 0:
+            # Under PDL: the first PREFETCH bytes of every row of this block into L2 while the
+            # previous kernel still runs (its tail leaves HBM idle).
+            prefetch_l2(w_ptr + n.to(tl.int64) * s_wn + k_lo, n_ok, PREFETCH)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
         if PDL:
             gdc_wait()
@@ -196,12 +207,16 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         cnt = split_counters(x.device, blocks)
     else:
         part = cnt = out                                # unused
+    pdl = pdl_launch(x.device, "gemv")
+    row_bytes = weight.stride(0) * weight.element_size()
+    pf = lt.prefetch if pdl["PDL"] and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 else 0
+    pf = min(pf, (K // lt.split_k) * weight.element_size())
     _gemv_kernel[(blocks, lt.split_k)](
         x, weight, bias if bias is not None else weight, out, part, cnt, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS,
         BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, SPLIT_K=lt.split_k,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
-        **pdl_launch(x.device, "gemv"))
+        PREFETCH=pf, **pdl)
     return out
 
 

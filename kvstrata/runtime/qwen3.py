@@ -21,9 +21,8 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.gemv import gemv, gemv_ok
+from ..kernels.gemv import gemv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
-from ..kernels.prefetch import l2_prefetch
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
 from ..nn.hfconfig import DecoderDims, decoder_fields
@@ -261,16 +260,11 @@ class Qwen3Model(nn.Module):
         x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
                             impl=attn_impl)
         mm = functools.partial(gemv, impl=attn_impl)
-        few_rows = gemv_ok(x, self.layers[0].self_attn.o_proj.weight, attn_impl)
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
             # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
-            qkv = attn.qkv(x, product=mm)
-            if few_rows:
-                # o_proj's weight into L2 while q/k norm, attention and its merge leave HBM idle
-                l2_prefetch(attn.o_proj.weight)
-            q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight,
+            q, _, _ = qkv_norm_rope(attn.qkv(x, product=mm), attn.q_norm.weight,
                                     attn.k_norm.weight, attn.q_norm.eps, cos, sin, hq, hkv,
                                     kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping,
                                     impl=attn_impl)

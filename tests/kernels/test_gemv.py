@@ -69,6 +69,8 @@ def test_launch_validation_and_defaults():
         GemvLaunch(stages=0)
     with pytest.raises(ValueError, match="split_k"):
         GemvLaunch(split_k=0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        GemvLaunch(prefetch=100)
     from kvstrata.kernels.gemv import _launch
     w = torch.empty(8, 192)
     assert _launch(w, 192, GemvLaunch(32, 128, 2, 4, split_k=2)) == GemvLaunch(32, 32, 2, 4, 2)
@@ -99,6 +101,11 @@ def test_cuda_bf16_against_cublas_and_the_separate_kernels(m, n, k):
         got = _gemv(x, w, b, lt)
         _close(got, F.linear(x, w, b), torch.bfloat16)
         assert torch.equal(got, _gemv(x, w, b, lt))
+    # The L2 prefetch before the PDL wait (whole rows, or more bytes than a row has) changes
+    # no value.
+    for pf in (1024, 1 << 20):
+        lt = dataclasses.replace(gemv_launch(n, k), prefetch=pf)
+        assert torch.equal(_gemv(x, w, b, lt), gemv(x, w, b))
 
 
 @cuda
