@@ -21,12 +21,6 @@ def num_sms(device: torch.device, cpu: int) -> int:
 #: ``KVSTRATA_PDL=0`` turns programmatic dependent launch off (it is on where it works).
 PDL_ENV = "KVSTRATA_PDL"
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a Linux dependency
-    triton = None
-
 try:  # Triton >= 3.4: grid dependency control (programmatic dependent launch)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     _HAS_GDC = True
@@ -88,19 +82,3 @@ def _pdl_families(value: str) -> frozenset:
         raise ValueError(f"{PDL_ENV}={value!r}: unknown families {bad}; use 0, 1 or a "
                          f"comma-separated list of {PDL_FAMILIES}")
     return fams
-
-
-if triton is not None:
-    @triton.jit
-    def prefetch_l2(ptrs, ok, NBYTES: tl.constexpr):
-        """Hopper bulk L2 prefetch (``cp.async.bulk.prefetch.L2``) of ``NBYTES`` (a multiple of
-        16) from each of the 1-D pointer tensor ``ptrs`` (16-byte aligned) where ``ok``: fire
-        and forget, no registers held, nothing written. Compiled code on sm_90+ only (inline
-        PTX: the interpreter cannot run it)."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [ptrs.to(tl.int64), ok.to(tl.int32), tl.full(ok.shape, NBYTES, tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-else:  # pragma: no cover
-    prefetch_l2 = None

@@ -16,14 +16,13 @@ program reads its first weight tile before it waits for the previous kernel.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._device import gdc_launch_dependents, gdc_wait, pdl_launch, prefetch_l2  # noqa: F401
+from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 
 try:
     import triton
@@ -37,108 +36,125 @@ GEMV_MAX_ROWS = 16
 
 @dataclass(frozen=True)
 class GemvLaunch:
-    """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program, ``block_k``
-    columns per loop step, ``stages`` loads in flight, ``warps`` per program; ``split_k`` > 1
-    cuts the columns into that many equal ranges, one program each, whose float32 partials the
-    last program of each row block sums in split order (deterministic, one launch);
-    ``prefetch`` > 0 (under PDL only): each program first asks L2 for that many bytes of each
-    of its rows (from its column range's start) while the previous kernel still runs."""
+    """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program (twice that with
+    :func:`norm_gemv`'s ``gated``: the gate and the up rows), ``block_k`` columns per loop
+    step, ``stages`` loads in flight, ``warps`` per program."""
 
     block_n: int = 32
     block_k: int = 256
     stages: int = 4
     warps: int = 4
-    split_k: int = 1
-    prefetch: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 16:
-            raise ValueError(f"GemvLaunch.split_k={self.split_k!r}: 1 to 16")
         for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemvLaunch.{name}={v}: a power of two >= 16")
-        if self.prefetch < 0 or self.prefetch % 16:
-            raise ValueError(f"GemvLaunch.prefetch={self.prefetch}: a multiple of 16 bytes")
         if not 1 <= self.stages <= 8 or self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemvLaunch: stages={self.stages} (1-8), warps={self.warps} "
                              "(1, 2, 4, 8 or 16)")
 
 
-def gemv_launch(n: int, k: int) -> GemvLaunch:
+def gemv_launch(n: int, k: int, gated: bool = False) -> GemvLaunch:
     """The default tile for an ``[n, k]`` weight. Measured on the H200 (docs/benchmarks.md,
     runner section: every tile of a grid, 1 and 16 rows): the Qwen3-8B shapes' best tiles
     were 64 x 128 for wide outputs (q/k/v 6144, gate/up 24576; 5 stages up to 8k rows, 3
-    beyond) and 32 x 256 with 5 stages for 4096-wide ones (o_proj, down)."""
-    pf = int(os.environ.get("KVSTRATA_GEMV_PREFETCH", "0"))   # bytes per row; being measured
+    beyond) and 32 x 256 with 5 stages for 4096-wide ones (o_proj, down); a split over K (2 or
+    4 ranges, summed in one launch) and bulk L2 prefetches before the PDL wait lost
+    everywhere. ``gated`` (gate and up rows per program): 32 x 128, 3 stages (the same 64
+    weight rows per program as the plain gate/up tile)."""
+    if gated:
+        return GemvLaunch(32, 128, 3, 4)
     if n >= 6144:
-        return GemvLaunch(64, 128, 5 if n <= 8192 else 3, 4, prefetch=min(pf, k * 2))
-    return GemvLaunch(32, 256, 5, 4, prefetch=min(pf, k * 2))
+        return GemvLaunch(64, 128, 5 if n <= 8192 else 3, 4)
+    return GemvLaunch(32, 256, 5, 4)
 
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_om,
-                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
-                     PDL: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr):
-        # K is a multiple of SPLIT_K * BLOCK_K (the wrapper checks); rows past M and columns
-        # past N are masked. Program (i, s) reads weight rows i * BLOCK_N ... whole over the
-        # s-th of SPLIT_K equal column ranges, in column order.
+    def _gemv_kernel(x_ptr, r_ptr, h_ptr, g_ptr, w_ptr, b_ptr, out_ptr, M, N, K, eps,
+                     s_xm, s_rm, s_hm, s_wn, s_om,
+                     HAS_BIAS: tl.constexpr, RES: tl.constexpr, NORM: tl.constexpr,
+                     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+                     UPCAST: tl.constexpr):
+        # K is a multiple of BLOCK_K (the wrapper checks); rows past M and columns past N are
+        # masked. Program i reads weight rows i * BLOCK_N ... (and, GATED, the up rows N + ...)
+        # whole, in column order.
         pid = tl.program_id(0)
-        k_len = K // SPLIT_K
-        k_lo = tl.program_id(1) * k_len
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         n_ok = n < N
         m_ok = m < M
-        x_rows = x_ptr + m[:, None].to(tl.int64) * s_xm + k_lo
-        w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn + k_lo
+        rows = m[:, None].to(tl.int64)
+        w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
+        u_rows = w_rows + N * s_wn
         # The first weight tile is read before waiting on the previous kernel: a step never
         # writes weights, so under PDL this load overlaps that kernel's tail.
-        if PREFETCH > 0:
-            # Under PDL: the first PREFETCH bytes of every row of this block into L2 while the
-            # previous kernel still runs (its tail leaves HBM idle).
-            prefetch_l2(w_ptr + n.to(tl.int64) * s_wn + k_lo, n_ok, PREFETCH)
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+        wu = w
+        if GATED:
+            wu = tl.load(u_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
-        acc = _dot_t(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
-        for k0 in tl.range(BLOCK_K, k_len, BLOCK_K, num_stages=STAGES):
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        z, ss = _input_tile(x_ptr + rows * s_xm, r_ptr + rows * s_rm, h_ptr + rows * s_hm,
+                            g_ptr, kk, m, M, ss, pid == 0, RES, NORM)
+        acc = _dot_t(z, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
+        acc_u = acc
+        if GATED:
+            acc_u = _dot_t(z, wu, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
+        for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             k = k0 + kk
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-            acc = _dot_t(x, w, acc, UPCAST)
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K > 1:
-            # Deterministic split-K in one launch: every program stores its float32 partial;
-            # the last of a column block's SPLIT_K programs to arrive sums them in split order
-            # and resets the block's counter (zero again for the next launch or graph replay).
-            # The barrier orders all threads' partial stores before the gpu-scope acq_rel
-            # increment; the partials are read back through L2 (.cg), never a stale L1 line.
-            part = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-            tl.store(part + tl.program_id(1).to(tl.int64) * BLOCK_M * N, acc, mask=out_mask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                tl.debug_barrier()
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    acc += tl.load(part + s * BLOCK_M * N, mask=out_mask, other=0.0,
-                                   cache_modifier=".cg")
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :],
-                         acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.store(cnt_ptr + pid, 0)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            if GATED:
+                wu = tl.load(u_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            # the residual stream's tile k0 is stored by one program (spread over the grid)
+            own = (k0 // BLOCK_K) % tl.num_programs(0) == pid
+            z, ss = _input_tile(x_ptr + rows * s_xm, r_ptr + rows * s_rm, h_ptr + rows * s_hm,
+                                g_ptr, k, m, M, ss, own, RES, NORM)
+            acc = _dot_t(z, w, acc, UPCAST)
+            if GATED:
+                acc_u = _dot_t(z, wu, acc_u, UPCAST)
+        if NORM:
+            # rms_norm(h) @ W^T = rstd * ((h * gamma) @ W^T): the row's scale comes last
+            rstd = tl.math.rsqrt(ss / K + eps)[:, None]
+            acc = acc * rstd
+            if GATED:
+                acc_u = acc_u * rstd
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dt = out_ptr.dtype.element_ty
+        if GATED:
+            # silu(gate) * up, each rounded as the separate products and silu_mul_merged round
+            gate = acc.to(dt).to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            acc = silu * acc_u.to(dt).to(tl.float32)
+        tl.store(out_ptr + rows * s_om + n[None, :], acc.to(dt),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _input_tile(x_rows, r_rows, h_rows, g_ptr, k, m, M, ss, own, RES: tl.constexpr,
+                    NORM: tl.constexpr):
+        """Columns ``k`` of rows ``m < M`` of the product's input: x, or (``RES``) h = x + r
+        rounded as torch's add (and stored where ``own``), then (``NORM``) h * gamma, adding
+        h's squares to ``ss``."""
+        m_ok = m[:, None] < M
+        x = tl.load(x_rows + k[None, :], mask=m_ok, other=0.0)
+        if RES:
+            r = tl.load(r_rows + k[None, :], mask=m_ok, other=0.0)
+            x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+            # (a row bound, not `m_ok & own`: the interpreter mistypes a bool & scalar mask)
+            tl.store(h_rows + k[None, :], x, mask=m[:, None] < tl.where(own, M, 0))
+        if NORM:
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(g_ptr + k).to(tl.float32)[None, :]).to(x.dtype)
+        return x, ss
 
     @triton.jit
     def _dot_t(x, w, acc, UPCAST: tl.constexpr):
@@ -162,19 +178,17 @@ def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto") -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _launch(weight: Tensor, k: int, launch: GemvLaunch | None) -> GemvLaunch | None:
-    """``launch`` (or the default) fitted to ``k`` columns: ``block_k`` halved until
-    ``split_k * block_k`` divides ``k``, else no split; ``None`` when no tile fits."""
-    lt = launch or gemv_launch(weight.shape[0], k)
+def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = False
+            ) -> GemvLaunch | None:
+    """``launch`` (or the default) fitted to ``k`` columns: ``block_k`` halved until it
+    divides ``k``; ``None`` when no tile fits."""
+    lt = launch or gemv_launch(weight.shape[0] // (2 if gated else 1), k, gated)
     if weight.shape[1] != k:
         return None
-    for split in dict.fromkeys((lt.split_k, 1)):
-        bk = lt.block_k
-        while bk > 16 and k % (split * bk):
-            bk //= 2
-        if k % (split * bk) == 0:
-            return dataclasses.replace(lt, block_k=bk, split_k=split)
-    return None
+    bk = lt.block_k
+    while bk > 16 and k % bk:
+        bk //= 2
+    return dataclasses.replace(lt, block_k=bk) if k % bk == 0 else None
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "auto") -> Tensor:
@@ -187,37 +201,85 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "aut
     return _gemv(x, weight, bias, None, impl)
 
 
-def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | None,
-          impl: str = "auto") -> Tensor:
-    """:func:`gemv` with a given tile (``None``: the default); benchmarks and tests."""
+def _check_bias(weight: Tensor, bias: Tensor | None) -> None:
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
+
+
+def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | None,
+          impl: str = "auto") -> Tensor:
+    """:func:`gemv` with a given tile (``None``: the default); benchmarks and tests."""
+    _check_bias(weight, bias)
     lt = _launch(weight, x.shape[-1], launch) if gemv_ok(x, weight, impl) else None
     if lt is None:
         return F.linear(x, weight, bias)
-    M, K = x.shape
-    N = weight.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(N, lt.block_n)
-    if lt.split_k > 1:
-        from .attention_triton import split_counters   # zeroed between launches
-        part = torch.empty((lt.split_k, GEMV_MAX_ROWS, N), dtype=torch.float32,
-                           device=x.device)
-        cnt = split_counters(x.device, blocks)
-    else:
-        part = cnt = out                                # unused
-    pdl = pdl_launch(x.device, "gemv")
-    row_bytes = weight.stride(0) * weight.element_size()
-    pf = lt.prefetch if pdl["PDL"] and row_bytes % 16 == 0 and weight.data_ptr() % 16 == 0 else 0
-    pf = min(pf, (K // lt.split_k) * weight.element_size())
-    _gemv_kernel[(blocks, lt.split_k)](
-        x, weight, bias if bias is not None else weight, out, part, cnt, M, N, K, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=GEMV_MAX_ROWS,
-        BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages, SPLIT_K=lt.split_k,
-        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
-        PREFETCH=pf, **pdl)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _run(x, None, None, None, 0.0, weight, bias, out, lt, False)
     return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "gemv", "gemv_launch", "gemv_ok"]
+def norm_gemv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+              bias: Tensor | None = None, *, residual: Tensor | None = None,
+              gated: bool = False, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """A decoder's pre-norm product in one launch: ``h = x + residual`` (``x`` without one),
+    ``y = F.linear(rms_norm(h, norm_weight, eps), weight, bias)``; ``gated``: ``weight`` is
+    ``[2 n, K]`` (gate rows, then up rows) and ``y = silu(gate) * up`` ``[M, n]``. Returns
+    ``(y, h)``.
+
+    Where :func:`gemv` runs its kernel on bf16 operands, every program adds the residual and
+    sums h's squares over the columns it streams anyway, multiplies by ``norm_weight`` before
+    the product and by the row's ``rsqrt(mean(h^2) + eps)`` after it; ``h`` is stored once
+    (each column tile by one program). So the roundings differ from the separate kernels'
+    (which round ``h * rsqrt`` before the weight multiply) by about one bf16 step; everywhere
+    else (CPU, more rows, fp16, whose ``h * norm_weight`` could overflow) it is exactly
+    :func:`~.layer_ops.add_rms_norm`, :func:`gemv` and :func:`~.layer_ops.silu_mul_merged`.
+    """
+    return _norm_gemv(x, norm_weight, eps, weight, bias, residual, gated, None, impl)
+
+
+def _norm_gemv(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+               bias: Tensor | None, residual: Tensor | None, gated: bool,
+               launch: GemvLaunch | None, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """:func:`norm_gemv` with a given tile (``None``: the default); benchmarks and tests."""
+    from .layer_ops import add_rms_norm, silu_mul_merged
+    _check_bias(weight, bias)
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"norm_gemv(gated=True): weight rows {weight.shape[0]} are not "
+                         "gate rows then as many up rows")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"norm_gemv: residual {tuple(residual.shape)} != x "
+                         f"{tuple(x.shape)}")
+    fused = (gemv_ok(x, weight, impl) and x.dtype == torch.bfloat16
+             and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+             and (residual is None or (residual.dtype == x.dtype and residual.stride(1) == 1)))
+    lt = _launch(weight, x.shape[-1], launch, gated) if fused else None
+    if lt is None:
+        xn, h = add_rms_norm(x, norm_weight, eps, residual, impl=impl)
+        y = _gemv(xn, weight, bias, launch, impl)
+        return (silu_mul_merged(y, impl=impl) if gated else y), h
+    n_out = weight.shape[0] // (2 if gated else 1)
+    out = torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else x
+    _run(x, residual, h, norm_weight, eps, weight, bias, out, lt, gated)
+    return out, h
+
+
+def _run(x: Tensor, residual: Tensor | None, h: Tensor | None, norm_weight: Tensor | None,
+         eps: float, weight: Tensor, bias: Tensor | None, out: Tensor, lt: GemvLaunch,
+         gated: bool) -> None:
+    M, K = x.shape
+    N = out.shape[1]
+    r = residual if residual is not None else x
+    hh = h if residual is not None else x
+    _gemv_kernel[(triton.cdiv(N, lt.block_n),)](
+        x, r, hh, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, out, M, N, K, eps, x.stride(0), r.stride(0),
+        hh.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        RES=residual is not None, NORM=norm_weight is not None, GATED=gated,
+        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
+        **pdl_launch(x.device, "gemv"))
+
+
+__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "gemv", "gemv_launch", "gemv_ok", "norm_gemv"]

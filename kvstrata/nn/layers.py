@@ -162,6 +162,14 @@ class MergedLinear:
         return torch.cat([product(x, l.weight, l.bias) for l in self.linears[first:]], -1)
 
 
+def _merged_params(m: MergedLinear | None, linears: Sequence[nn.Linear]
+                   ) -> tuple[Tensor, Tensor | None]:
+    if m is not None and m.holds():
+        return m.weight, m.bias
+    bias = None if linears[0].bias is None else torch.cat([l.bias for l in linears])
+    return torch.cat([l.weight for l in linears]), bias
+
+
 def merged(linears: Sequence[nn.Linear], current: MergedLinear | None) -> MergedLinear:
     """``current`` while its views hold, else a new :class:`MergedLinear` of ``linears``."""
     return current if current is not None and current.holds() else MergedLinear(linears)
@@ -191,6 +199,11 @@ class SwiGLUMLP(nn.Module):
             return torch.cat([product(x, l.weight, l.bias)
                               for l in (self.gate_proj, self.up_proj)], -1)
         return self._gate_up(x, product=product)
+
+    def gate_up_weight(self) -> tuple[Tensor, Tensor | None]:
+        """``(weight [2 * inter, hidden], bias or None)`` of :meth:`gate_up`: the merged
+        tensors while merged, else a concatenated copy."""
+        return _merged_params(self._gate_up, (self.gate_proj, self.up_proj))
 
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up(x)
@@ -238,6 +251,11 @@ class AttentionProjections(nn.Module):
             lins = ((self.q_proj,) if with_q else ()) + (self.k_proj, self.v_proj)
             return torch.cat([product(x, l.weight, l.bias) for l in lins], -1)
         return self._qkv(x, first=0 if with_q else 1, product=product)
+
+    def qkv_weight(self) -> tuple[Tensor, Tensor | None]:
+        """``(weight [(Hq + 2 Hkv) * D, hidden], bias or None)`` of :meth:`qkv`: the merged
+        tensors while merged, else a concatenated copy."""
+        return _merged_params(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
 
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
