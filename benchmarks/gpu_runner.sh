@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
-#   steps: tests sweep b1 one pdl0 gpf bench peer e2e profile tiles
+#   steps: tests sweep b1 one pdl0 ab bench peer e2e profile tiles
 # tests: the runner's CUDA test set; sweep: the batch-1 split sweep of the attention kernel;
-# b1: batch-1 steps with several min_split_tokens; one: batch-1 steps; gpf: batch-1 steps for
-# several KVSTRATA_GEMV_PREFETCH (GPF="bytes ..."); tiles: the q/k/v, o_proj and down products over a tile grid (split_k
+# b1: batch-1 steps with several min_split_tokens; one: batch-1 steps; ab: batch-1 steps of
+# this tree and of the kvstrata package copied into _ref/ (untracked), alternating; tiles: the q/k/v, o_proj and down products over a tile grid (split_k
 # included) and L2-hot; bench: runner_bench (batches 1 16 64);
 # peer: the transformers peer (hf_decode_peer.py beside this repository's root, static cache +
 # compile); e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0;
@@ -31,11 +31,14 @@ for s in "${steps[@]}"; do
              qkv o_proj down --out "$OUT/tiles.md" > "$OUT/tiles.log" 2>&1 ;;
     one) python3 benchmarks/runner_bench.py --batches 1 --steps 24 --attn-contexts \
            --out "$OUT/one.md" > "$OUT/one.log" 2>&1 ;;
-    gpf) for v in ${GPF:-0 2048 8192 24576}; do   # GemvLaunch.prefetch bytes per row
-           echo "KVSTRATA_GEMV_PREFETCH=$v"
-           KVSTRATA_GEMV_PREFETCH=$v python3 benchmarks/runner_bench.py --batches 1 --steps 24 \
-             --attn-contexts 2>&1 | grep "^| [pvsd]"
-         done > "$OUT/gpf.log" 2>&1 ;;
+    ab) for r in ${AB_ROUNDS:-1 2}; do   # this tree against the kvstrata package in _ref/
+           for t in new ref; do
+             echo "== $t (round $r)"
+             [ $t = ref ] && pp="/tmp/site:$PWD/_ref:$PWD" || pp="$PYTHONPATH"
+             PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 --steps 24 \
+               --attn-contexts 2>&1 | grep "^| [pvsd]"
+           done
+         done > "$OUT/ab.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \
              ${BENCH_ARGS:-} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1 ;;
     e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \
