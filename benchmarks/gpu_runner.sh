@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
-#   steps: tests sweep b1 one pdl0 ab bench peer e2e profile tiles
+#   steps: tests sweep b1 one pdl0 ab bench peer e2e profile tiles gated
 # tests: the runner's CUDA test set; sweep: the batch-1 split sweep of the attention kernel;
 # b1: batch-1 steps with several min_split_tokens; one: batch-1 steps; ab: batch-1 steps of
 # this tree and of the kvstrata package copied into _ref/ (untracked), alternating; tiles: the q/k/v, o_proj and down products over a tile grid (split_k
-# included) and L2-hot; bench: runner_bench (batches 1 16 64);
+# included) and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64);
 # peer: the transformers peer (hf_decode_peer.py beside this repository's root, static cache +
 # compile); e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0;
 # profile: per-kernel device time of the batch-1 graphs and the linear layers alone
@@ -27,6 +27,8 @@ for s in "${steps[@]}"; do
             --attn-contexts --out "$OUT/pdl0.md" > "$OUT/pdl0.log" 2>&1 ;;
     profile) python3 benchmarks/runner_profile.py --profile --gemm --gemm-tiles \
                --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
+    gated) python3 benchmarks/runner_profile.py --gated --out "$OUT/gated.md" \
+             > "$OUT/gated.log" 2>&1 ;;
     tiles) python3 benchmarks/runner_profile.py --gemm --gemm-tiles --gemm-hot --gemm-shapes \
              qkv o_proj down --out "$OUT/tiles.md" > "$OUT/tiles.log" 2>&1 ;;
     one) python3 benchmarks/runner_bench.py --batches 1 --steps 24 --attn-contexts \

@@ -3,7 +3,7 @@ decode/verify/draft graphs, and the linear layers' shapes alone against the copy
 
 - ``--gemm``: every linear shape of the 8B-shaped target/drafter at 1 and 16 rows, ``F.linear``
   (cuBLAS) and :func:`kvstrata.kernels.gemv.gemv` over a grid of tiles (``--gemm-tiles``:
-  block_n x block_k x stages x split_k); each timed as a CUDA
+  block_n x block_k x stages); each timed as a CUDA
   graph running the product over several distinct copies of the weight (more bytes than L2
   holds), median of replays, per product. Ratio = time / (weight bytes / copy rate).
 - ``--profile``: torch.profiler over replays of the runner's graphs (plain b1, speculative b1)
@@ -41,8 +41,8 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True,
     weight prefetched into L2 reads at)."""
     # With a few shapes (a quicker call): no 16-row tiles and 5 stages only.
     bns, sts = ((32, 64), (5,)) if shapes else ((16, 32, 64), (3, 5))
-    grid = [GemvLaunch(bn, bk, st, 4, sk) for bn, bk, st, sk in itertools.product(
-        bns, (128, 256), sts, (1, 2, 4))] if full else []
+    grid = [GemvLaunch(bn, bk, st, 4) for bn, bk, st in itertools.product(
+        bns, (128, 256), sts)] if full else []
     lines += ["", f"### Linear layers alone (copy rate {bw / 1e12:.3f} TB/s)", "",
               "| shape | N x K | rows | floor us | cuBLAS us (x) | best gemv us (x) | tile | "
               "default gemv us | L2-hot gemv us |", "|---|---|---|---|---|---|---|---|---|"]
@@ -83,14 +83,36 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True,
             if best is None:
                 best, best_lt = t_def, None
             tile = ("default" if best_lt is None else
-                    f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}"
-                    f"/{best_lt.split_k}")
+                    f"{best_lt.block_n}/{best_lt.block_k}/{best_lt.stages}/{best_lt.warps}")
             lines.append(f"| {name} | {n} x {k} | {m} | {floor:.1f} | {t_cublas:.1f} "
                          f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} | "
                          f"{t_def:.1f} | {'-' if t_hot is None else f'{t_hot:.1f}'} |")
             print(lines[-1], flush=True)
         del ws
         torch.cuda.empty_cache()
+
+
+def gated_sweep(bw: float, lines: list[str], rows=(1, 16)) -> None:
+    """gate/up with SiLU-and-multiply in the product's epilogue (``gemv(..., gated=True)``)
+    against the product and ``silu_mul_merged`` as two launches."""
+    from kvstrata.kernels.layer_ops import silu_mul_merged
+    n, k = SHAPES["gate_up"]
+    size = n * k * 2
+    copies = max(2, min(12, -(-400_000_000 // size)))
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    lines += ["", "### gate/up with SiLU (us per product, weights rotating past L2)", "",
+              "| rows | floor | product alone | product + silu_mul_merged | gated |",
+              "|---|---|---|---|---|"]
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        t_alone = _graph_us(lambda: [gemv(x, w) for w in ws], copies)
+        t_sep = _graph_us(lambda: [silu_mul_merged(gemv(x, w)) for w in ws], copies)
+        t_gated = _graph_us(lambda: [gemv(x, w, gated=True) for w in ws], copies)
+        lines.append(f"| {m} | {size / bw * 1e6:.1f} | {t_alone:.1f} | {t_sep:.1f} | "
+                     f"{t_gated:.1f} |")
+        print(lines[-1], flush=True)
+    del ws
+    torch.cuda.empty_cache()
 
 
 def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -> None:
@@ -150,6 +172,7 @@ def main():
     ap.add_argument("--gemm-shapes", nargs="*", default=None, choices=sorted(SHAPES))
     ap.add_argument("--gemm-hot", action="store_true",
                     help="also each product over one (L2-resident) weight copy")
+    ap.add_argument("--gated", action="store_true", help="gate/up with SiLU, alone")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--out", default=None)
@@ -157,6 +180,8 @@ def main():
     torch.manual_seed(0)
     bw = copy_rate()
     lines = [f"# runner profile, {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.3f} TB/s"]
+    if args.gated:
+        gated_sweep(bw, lines)
     if args.profile:
         profile_steps(args, lines)
     if args.gemm:

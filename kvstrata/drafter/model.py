@@ -26,7 +26,7 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
 from ..kernels.gemv import gemv
 from ..kernels.kv_write import write_kv
-from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, silu_mul_merged
+from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope
 from ..nn.layers import (AttentionProjections, RMSNorm, SwiGLUMLP, merge_layer_weights,
                          rope_cos_sin)
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
@@ -164,7 +164,8 @@ class DFlashDrafter(nn.Module):
         eps, hq, hkv = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         # As the target's forward: residual adds fused into the next norm (kernels.layer_ops),
-        # products through kernels.gemv (one launch for a few rows on CUDA, else F.linear).
+        # products through kernels.gemv (one launch for a few rows on CUDA, else F.linear),
+        # SiLU-and-multiply inside gate/up's.
         h, x = add_rms_norm(x, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -172,7 +173,7 @@ class DFlashDrafter(nn.Module):
                                     a.q_norm.eps, cos, sin, hq, hkv)
             h, x = add_rms_norm(a.project_out(attn(i, q, k, v), product=gemv),
                                 layer.post_attention_layernorm.weight, eps, residual=x)
-            y = gemv(silu_mul_merged(mlp.gate_up(h, product=gemv)), mlp.down_proj.weight,
+            y = gemv(gemv(h, *mlp.gate_up_weight(), gated=True), mlp.down_proj.weight,
                      mlp.down_proj.bias)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, x = add_rms_norm(y, nxt.weight, eps, residual=x)

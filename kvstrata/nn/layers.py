@@ -252,11 +252,6 @@ class AttentionProjections(nn.Module):
             return torch.cat([product(x, l.weight, l.bias) for l in lins], -1)
         return self._qkv(x, first=0 if with_q else 1, product=product)
 
-    def qkv_weight(self) -> tuple[Tensor, Tensor | None]:
-        """``(weight [(Hq + 2 Hkv) * D, hidden], bias or None)`` of :meth:`qkv`: the merged
-        tensors while merged, else a concatenated copy."""
-        return _merged_params(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
-
     def project_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
         return apply_rotary(q, cos, sin)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.gemv import gemv, norm_gemv
+from ..kernels.gemv import gemv
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -253,38 +253,35 @@ class Qwen3Model(nn.Module):
         eps = cfg.rms_norm_eps
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
-        # Each RMSNorm and the residual add before it ride in the product that reads them, and
-        # SiLU-and-multiply in the gate/up product (kernels.gemv.norm_gemv: one launch for a
-        # few rows on CUDA, the separate fused kernels of layer_ops elsewhere). y is the last
-        # product's output not yet added to h, the residual stream.
+        # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
+        # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
+        # Every product is kernels.gemv: one Triton launch for a few rows (decode, verify at
+        # batch 1) on CUDA, F.linear otherwise.
+        x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
+                            impl=attn_impl)
         mm = functools.partial(gemv, impl=attn_impl)
-        y, h = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, h = norm_gemv(y, layer.input_layernorm.weight, eps, *attn.qkv_weight(),
-                               residual=h, impl=attn_impl)
-            self._capture(i - 1, h, capture_layers, captured)
-            # q-norm, k-norm, RoPE and the K/V write into the pool in one launch
-            q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight,
-                                    attn.q_norm.eps, cos, sin, hq, hkv, kv_cache=kv_cache,
-                                    layer=i, slot_mapping=slot_mapping, impl=attn_impl)
+            # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
+            # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
+            q, _, _ = qkv_norm_rope(attn.qkv(x, product=mm), attn.q_norm.weight,
+                                    attn.k_norm.weight, attn.q_norm.eps, cos, sin, hq, hkv,
+                                    kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping,
+                                    impl=attn_impl)
             o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                 sliding_window=windows[i], impl=attn_impl)
-            act, h = norm_gemv(attn.project_out(o, product=mm),
-                               layer.post_attention_layernorm.weight, eps,
-                               *mlp.gate_up_weight(), residual=h, gated=True, impl=attn_impl)
-            y = mm(act, mlp.down_proj.weight, mlp.down_proj.bias)
-        x, h = add_rms_norm(y, self.norm.weight, eps, residual=h, impl=attn_impl)
-        self._capture(len(self.layers) - 1, h, capture_layers, captured)
+            x, h = add_rms_norm(attn.project_out(o, product=mm),
+                                layer.post_attention_layernorm.weight, eps, residual=h,
+                                impl=attn_impl)
+            # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)
+            y = mm(gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True),
+                   mlp.down_proj.weight, mlp.down_proj.bias)
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = add_rms_norm(y, nxt.weight, eps, residual=h, impl=attn_impl)
+            for j, l in enumerate(capture_layers):
+                if l == i:
+                    captured[j] = h
         return x, captured  # type: ignore[return-value]
-
-    @staticmethod
-    def _capture(layer: int, h: Tensor, capture_layers: Sequence[int],
-                 captured: list) -> None:
-        """``h``, the residual stream after decoder layer ``layer``, where it is asked for."""
-        for j, l in enumerate(capture_layers):
-            if l == layer:
-                captured[j] = h
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[T, hidden]`` -> ``[T, vocab]`` float32 (tied or untied head)."""

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.kernels import _device
-from kvstrata.kernels.gemv import (GemvLaunch, _gemv, _norm_gemv, gemv, gemv_launch, gemv_ok,
-                                   norm_gemv)
-from kvstrata.kernels.layer_ops import add_rms_norm, add_rms_norm_ref, silu_mul_merged
+from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv, gemv_launch, gemv_ok
+from kvstrata.kernels.layer_ops import silu_mul_merged
 
 SMALL = GemvLaunch(block_n=32, block_k=64, stages=2, warps=4)
 SHAPES = [(1, 64, 256), (5, 70, 192), (16, 32, 128)]      # rows, out, in (70: a partial tile)
@@ -45,60 +44,32 @@ def test_interpreter_matches_the_torch_ops(m, n, k, dtype):
     assert torch.equal(got, _gemv(x, w, b, SMALL, impl="triton"))          # deterministic
 
 
-def _norm_reference(x, g, eps, w, b, r, gated):
-    xn, h = add_rms_norm_ref(x, g, eps, r)
-    y = F.linear(xn.float(), w.float(), None if b is None else b.float())
-    if gated:
-        n = y.shape[1] // 2
-        y = F.silu(y[:, :n]) * y[:, n:]
-    return y, h
-
-
 @pytest.mark.parametrize("m,n,k", SHAPES)
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("res", [False, True])
-def test_interpreter_norm_gemv(m, n, k, gated, res):
-    """The pre-norm product in one launch (residual add, RMSNorm, product, SiLU gate) against
-    the separate torch ops: h bit for bit, y to bf16 rounding; fp16 takes the separate ops."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_interpreter_gated(m, n, k, dtype):
+    """``gated``: SiLU-and-multiply of the gate and up halves in the product's epilogue, against
+    the separate torch ops; bit for bit the product then silu_mul_merged's kernel (fp16, where
+    the interpreter's float conversions round as torch's)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
-    dt = torch.bfloat16
-    x, w = _operands(m, 2 * n if gated else n, k, dt, seed=n + k)
-    g = torch.Generator().manual_seed(m)
-    r = (torch.randn(m, k, generator=g) * 4).to(dt) if res else None
-    gamma = (1 + 0.3 * torch.randn(k, generator=g)).to(dt)
-    b = torch.randn(w.shape[0], generator=g).to(dt)
-    want, want_h = _norm_reference(x, gamma, 1e-6, w, b, r, gated)
-    got, h = _norm_gemv(x, gamma, 1e-6, w, b, r, gated, SMALL, impl="triton")
-    assert got.shape == want.shape and got.dtype == dt
-    # the residual stream, as the norm kernel rounds it (the interpreter's float32 -> bf16
-    # conversion differs from torch's CPU add in the last bit)
-    assert torch.equal(h, add_rms_norm(x, gamma, 1e-6, r, impl="triton")[1])
-    _close(h, want_h, dt)
-    _close(got, want, dt)
-    assert torch.equal(got, _norm_gemv(x, gamma, 1e-6, w, b, r, gated, SMALL,
-                                       impl="triton")[0])            # deterministic
-    # fp16 (h * gamma could overflow before the scale): exactly the separate launches
-    x16, w16, g16 = x.half(), w.half(), gamma.half()
-    r16 = r.half() if res else None
-    xn, h16 = add_rms_norm(x16, g16, 1e-6, r16, impl="triton")
-    y16 = _gemv(xn, w16, None, SMALL, impl="triton")
-    y16 = silu_mul_merged(y16, impl="triton") if gated else y16
-    got16, hh = _norm_gemv(x16, g16, 1e-6, w16, None, r16, gated, SMALL, impl="triton")
-    assert torch.equal(got16, y16) and torch.equal(hh, h16)
+    x, w = _operands(m, 2 * n, k, dtype, seed=n + k)
+    b = torch.randn(2 * n).to(dtype)
+    y = F.linear(x.float(), w.float(), b.float())
+    got = _gemv(x, w, b, SMALL, impl="triton", gated=True)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, F.silu(y[:, :n]) * y[:, n:], dtype)
+    assert torch.equal(got, _gemv(x, w, b, SMALL, impl="triton", gated=True))
+    if dtype == torch.float16:
+        sep = silu_mul_merged(_gemv(x, w, b, SMALL, impl="triton"), impl="triton")
+        assert torch.equal(got, sep)
 
 
-def test_norm_gemv_checks_and_fallback():
+def test_gated_checks_and_fallback():
     x, w = _operands(3, 8, 64, torch.float32)
-    gamma = torch.ones(64)
     with pytest.raises(ValueError, match="gate rows"):
-        norm_gemv(x, gamma, 1e-6, w[:7], gated=True)
-    with pytest.raises(ValueError, match="residual"):
-        norm_gemv(x, gamma, 1e-6, w, residual=x[:2])
-    y, h = norm_gemv(x, gamma, 1e-6, w, residual=x)            # CPU: the torch ops
-    want_h = x + x
-    assert torch.equal(h, want_h)
-    assert torch.equal(y, F.linear(add_rms_norm_ref(want_h, gamma, 1e-6)[0], w))
+        gemv(x, w[:7], gated=True)
+    y = F.linear(x, w)                                         # CPU: the torch ops
+    assert torch.equal(gemv(x, w, gated=True), F.silu(y[:, :4]) * y[:, 4:])
 
 
 def test_fallbacks_are_the_torch_ops():
@@ -143,16 +114,8 @@ def test_cuda_bf16_against_cublas_and_the_separate_kernels(m, n, k):
     assert torch.equal(gemv(x, w), gemv(x, w))                      # deterministic
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     _close(gemv(x, w, b), F.linear(x, w, b), torch.bfloat16)
-    # the pre-norm product, gated and not, against the separate kernels
-    g = torch.Generator().manual_seed(n)
-    r = (torch.randn(m, k, generator=g) * 4).to(torch.bfloat16).cuda()
-    gamma = (1 + 0.3 * torch.randn(k, generator=g)).to(torch.bfloat16).cuda()
-    for gated in (False, True):
-        want, want_h = _norm_reference(x, gamma, 1e-6, w, b, r, gated)
-        got, h = norm_gemv(x, gamma, 1e-6, w, b, residual=r, gated=gated)
-        assert torch.equal(h, want_h)
-        _close(got, want, torch.bfloat16)
-        assert torch.equal(got, norm_gemv(x, gamma, 1e-6, w, b, residual=r, gated=gated)[0])
+    # gated: bit for bit the product then silu_mul_merged's kernel
+    assert torch.equal(gemv(x, w, b, gated=True), silu_mul_merged(gemv(x, w, b)))
 
 
 @cuda
