@@ -2,14 +2,16 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep b1 one pdl0 ab bench peer e2e profile tiles gated
-# tests: the runner's CUDA test set; sweep: the batch-1 split sweep of the attention kernel;
-# b1: batch-1 steps with several min_split_tokens; one: batch-1 steps; ab: batch-1 steps of
-# this tree and of the kvstrata package copied into _ref/ (untracked), alternating; tiles: the q/k/v, o_proj and down products over a tile grid (split_k
-# included) and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64);
-# peer: the transformers peer (hf_decode_peer.py beside this repository's root, static cache +
-# compile); e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0;
-# profile: per-kernel device time of the batch-1 graphs and the linear layers alone
-# (runner_profile.py). Markdown/logs go to $OUT/<step>.{md,log}.
+# tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
+# the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
+# ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
+# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS); tiles: the
+# q/k/v, o_proj and down products over a tile grid, and L2-hot; gated: gate/up with SiLU in the
+# product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
+# peer (hf_decode_peer.py beside this repository's root, static cache + compile); e2e: the
+# shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
+# time of the batch-1 graphs and the linear layers alone (runner_profile.py). Markdown/logs go to
+# $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
