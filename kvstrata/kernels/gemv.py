@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
+from .layer_ops import silu_mul_merged
 
 try:
     import triton
@@ -37,8 +38,8 @@ GEMV_MAX_ROWS = 16
 @dataclass(frozen=True)
 class GemvLaunch:
     """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program (twice that when
-    ``gated``: the gate and the up rows), ``block_k`` columns per loop
-    step, ``stages`` loads in flight, ``warps`` per program."""
+    ``gated``: the gate and the up rows), ``block_k`` columns per loop step, ``stages`` loads
+    in flight, ``warps`` per program."""
 
     block_n: int = 32
     block_k: int = 256
@@ -187,10 +188,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     if lt is None:
         y = F.linear(x, weight, bias)
-        if gated:
-            from .layer_ops import silu_mul_merged
-            y = silu_mul_merged(y, impl=impl)
-        return y
+        return silu_mul_merged(y, impl=impl) if gated else y
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

@@ -162,14 +162,6 @@ class MergedLinear:
         return torch.cat([product(x, l.weight, l.bias) for l in self.linears[first:]], -1)
 
 
-def _merged_params(m: MergedLinear | None, linears: Sequence[nn.Linear]
-                   ) -> tuple[Tensor, Tensor | None]:
-    if m is not None and m.holds():
-        return m.weight, m.bias
-    bias = None if linears[0].bias is None else torch.cat([l.bias for l in linears])
-    return torch.cat([l.weight for l in linears]), bias
-
-
 def merged(linears: Sequence[nn.Linear], current: MergedLinear | None) -> MergedLinear:
     """``current`` while its views hold, else a new :class:`MergedLinear` of ``linears``."""
     return current if current is not None and current.holds() else MergedLinear(linears)
@@ -203,7 +195,9 @@ class SwiGLUMLP(nn.Module):
     def gate_up_weight(self) -> tuple[Tensor, Tensor | None]:
         """``(weight [2 * inter, hidden], bias or None)`` of :meth:`gate_up`: the merged
         tensors while merged, else a concatenated copy."""
-        return _merged_params(self._gate_up, (self.gate_proj, self.up_proj))
+        if self._gate_up is not None and self._gate_up.holds():
+            return self._gate_up.weight, self._gate_up.bias
+        return torch.cat([self.gate_proj.weight, self.up_proj.weight]), None   # no biases
 
     def forward(self, x: Tensor) -> Tensor:
         gu = self.gate_up(x)
