@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
-#   steps: tests sweep b1 one pdl0 ab bench peer e2e profile tiles gated
+#   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile tiles gated
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
-# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS); tiles: the
-# q/k/v, o_proj and down products over a tile grid, and L2-hot; gated: gate/up with SiLU in the
-# product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
+# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS; AB_PDL adds
+# this tree with KVSTRATA_PDL=$AB_PDL); attn: batch-1 decode attention alone at 1k, 8k, 32k,
+# split + merge against the fused merge; tiles: the q/k/v, o_proj and down products over a tile
+# grid, and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
 # peer (hf_decode_peer.py beside this repository's root, static cache + compile); e2e: the
 # shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
 # time of the batch-1 graphs and the linear layers alone (runner_profile.py). Markdown/logs go to
@@ -36,13 +37,16 @@ for s in "${steps[@]}"; do
     one) python3 benchmarks/runner_bench.py --batches 1 --steps 24 --attn-contexts \
            --out "$OUT/one.md" > "$OUT/one.log" 2>&1 ;;
     ab) for r in ${AB_ROUNDS:-1 2}; do   # this tree against the kvstrata package in _ref/
-           for t in new ref; do
+           for t in new ref ${AB_PDL:+pdl}; do   # pdl: this tree with KVSTRATA_PDL=$AB_PDL
              echo "== $t (round $r)"
              [ $t = ref ] && pp="/tmp/site:$PWD/_ref:$PWD" || pp="$PYTHONPATH"
-             PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 --steps 24 \
-               --attn-contexts 2>&1 | grep "^| [pvsd]"
+             [ $t = pdl ] && pdl="$AB_PDL" || pdl="${KVSTRATA_PDL:-1}"
+             KVSTRATA_PDL=$pdl PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 \
+               --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
            done
          done > "$OUT/ab.log" 2>&1 ;;
+    attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \
+            --out "$OUT/attn.md" > "$OUT/attn.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \
              ${BENCH_ARGS:-} --out "$OUT/bench.md" > "$OUT/bench.log" 2>&1 ;;
     e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \

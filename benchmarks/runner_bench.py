@@ -149,26 +149,47 @@ def _graph_us(fn, layers: int, reps: int = 20) -> float:
     return replay_ms(g, reps) * 1e3 / layers
 
 
-def decode_attention_b1(ctx: int, bw: float, layers: int = 36) -> dict:
+def decode_attention_b1(ctx: int, bw: float, layers: int = 36, grid: int = 34) -> dict:
     """Batch-1 decode attention over ``layers`` layers of ``ctx`` tokens (8 KV heads, GQA 4,
-    d 128, bf16), captured in a graph: per-layer device time with the fused single-launch
-    merge and with split + merge launches, against bytes / copy rate."""
+    d 128, bf16), captured in a graph as the runner's decode graph runs it (``grid`` split
+    programs, the split length read from device memory: ``ctx`` spread over them in multiples
+    of 32 tokens): per-layer device time with split + merge launches and with the fused
+    single-launch merge for several merge chunks (``RED_CHUNK`` splits per load), against
+    bytes / copy rate."""
+    import dataclasses
     from kvstrata.kernels import attention_triton as at
     from kvstrata.kernels.attention_plan import plan_attention
     pages = ctx // 16
     kv = torch.randn((pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
     bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
-    meta = plan_attention(bt, [ctx], [1], page_size=16, num_kv_heads=8)
+    per = -(-(-(-ctx // grid)) // 32) * 32
+    meta = dataclasses.replace(
+        plan_attention(bt, [ctx], [1], page_size=16, num_kv_heads=8, num_splits=grid),
+        tokens_per_split=per, split_tokens=torch.tensor([per], device="cuda"))
     q = torch.randn((1, 32, 128), dtype=torch.bfloat16, device="cuda")
-    out = {"splits": meta.num_splits}
-    for fused in (True, False):
+    out = {"splits": meta.num_splits, "tokens_per_split": per}
+    for name, cfg in (("split_merge_us", dict(FUSED_REDUCE=False)),
+                      ("fused_us", dict(FUSED_REDUCE=True)),
+                      ("fused8_us", dict(FUSED_REDUCE=True, RED_CHUNK=8)),
+                      ("fused32_us", dict(FUSED_REDUCE=True, RED_CHUNK=32))):
         def fn():
             for layer in range(layers):
-                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088,
-                                          config=dict(FUSED_REDUCE=fused))
-        out["fused_us" if fused else "split_merge_us"] = _graph_us(fn, layers)
-    out["floor_us"] = ctx * 8 * 128 * 2 * 2 / bw * 1e6
+                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
+        out[name] = _graph_us(fn, layers)
+    # The same bytes with each layer's pages in a tensor of its own (a page's K/V of one layer
+    # is then 64 KB from the next page's, not num_layers x 64 KB): what the pool's page-major
+    # layout costs the decode kernel.
     del kv
+    kvs = [torch.randn((pages, 1, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+           for _ in range(layers)]
+
+    def fn_lm():
+        for layer in range(layers):
+            at.paged_attention_triton(q, kvs[layer], 0, meta, sm_scale=0.088,
+                                      config=dict(FUSED_REDUCE=True))
+    out["layer_major_us"] = _graph_us(fn_lm, layers)
+    out["floor_us"] = ctx * 8 * 128 * 2 * 2 / bw * 1e6
+    del kvs
     return out
 
 
@@ -350,9 +371,12 @@ def main():
     for ctx in args.attn_contexts:
         a = decode_attention_b1(ctx, bw)
         res.setdefault("attention_b1", {})[ctx] = a
-        print(f"decode attention b1 {ctx}: {a['splits']} splits, fused {a['fused_us']:.1f} us, "
-              f"split+merge {a['split_merge_us']:.1f} us per layer, floor {a['floor_us']:.1f} us "
-              f"(fused x floor {a['fused_us'] / a['floor_us']:.2f})", flush=True)
+        print(f"decode attention b1 {ctx}: {a['splits']} splits of {a['tokens_per_split']}, "
+              f"fused {a['fused_us']:.1f} us (chunk 8: {a['fused8_us']:.1f}, 32: "
+              f"{a['fused32_us']:.1f}), split+merge {a['split_merge_us']:.1f} us per layer, "
+              f"fused with a tensor per layer {a['layer_major_us']:.1f}, "
+              f"floor {a['floor_us']:.1f} us (fused x floor "
+              f"{a['fused_us'] / a['floor_us']:.2f})", flush=True)
     if args.sweep:
         lines += ["", "| sweep ctx | q | splits | tokens/split | BLOCK_N | stages | grid | "
                   "us/layer | x floor |", "|---|---|---|---|---|---|---|---|---|"]

@@ -309,10 +309,9 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # Measured on an H200 (docs/benchmarks.md, attention config sweep, bf16 GQA 32/8 d128):
     # 64 query rows (verify-16) run best on 32-token KV tiles with 2 stages; decode on 64-token
     # tiles with 2 stages, or 32-token tiles when splits are as short as 128 tokens (1 x 8k).
-    # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere; the fused single-launch
-    # reduce lost everywhere (its merging program walks the rows serially), batch-1 decode
-    # included (H200, 1 x 8k decode, 64 splits, in a graph: 31.7 us fused vs 18.1 us split +
-    # merge per layer; 1 x 32k: 50.8 vs 42.1; runner_bench measures it), so it stays off.
+    # Unmasked interior tiles (SPLIT_LOOP) won or tied everywhere. (A first fused reduce that
+    # merged row by row lost everywhere: 31.7 vs 18.1 us per layer at 1 x 8k; the tile merge
+    # below replaced it.)
     # 64 query rows (verify-16, prefill, the draft block) hold a 64 x 128 fp32 accumulator: 147
     # registers and 3 programs per SM. A launch that fits one wave of those (<= 2 per SM: 32 x 1k
     # verify unsplit, 1 x 8k with 32 splits) runs best on 64-token tiles (32 x 1k 53.3 us vs
@@ -329,9 +328,17 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
             maxnreg = 128
     else:
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
+    # Decode (one query row per head) merges its splits in the same launch: the last split
+    # program of a KV head reads [GROUP_PAD, RED_CHUNK, BLOCK_D] fp32 partial tiles. H200, batch
+    # 1, 36 layers in a graph, the runner's 34-program grid (docs/benchmarks.md, fifth runner
+    # session), us per layer at 1k / 8k / 32k: split + merge 8.9 / 20.6 / 67.5, fused with
+    # 8-split tiles 10.3 / 21.6 / 69.3, 16: 8.8 / 20.7 / 66.2, 32: 7.8 / 18.1 / 56.7. Verify's
+    # 64 rows per program would merge serially: it keeps the merge launch.
+    red_chunk = max(2, min(64, 16384 // (group_pad * block_d)))
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=False, RED_CHUNK=32, SPLIT_LOOP=True, maxnreg=maxnreg)
+                FUSED_REDUCE=max_query_len == 1, RED_CHUNK=red_chunk, SPLIT_LOOP=True,
+                maxnreg=maxnreg)
 
 
 __all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "SplitPolicy", "block_q_for",

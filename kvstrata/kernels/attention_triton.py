@@ -81,24 +81,30 @@ def _paged_attention_kernel(
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr, PDL: tl.constexpr):
-    if PDL:   # every program waits, the idle ones too (kernels/_device.pdl_ok)
-        gdc_wait()
-        gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq = pid // num_q_blocks
     qblk = pid % num_q_blocks
+    # The plan (query offsets, lengths, split length) is read before the PDL wait: no kernel
+    # writes it (host copies and plan-time tensors do, before the step's first kernel).
     q_start = tl.load(qsl_ptr + seq)
     if QLENS:
         # A captured plan's per-row query lengths (rows packed at a fixed stride).
         q_len = tl.load(qlens_ptr + seq)
     else:
         q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if TPS_DEV:
+        # A CUDA graph's plan: the split length is written per step into device memory (the
+        # grid, num_splits, is fixed at capture).
+        tokens_per_split = tl.load(tps_ptr)
+    if PDL:   # every program waits, the idle ones too (kernels/_device.pdl_ok)
+        gdc_wait()
+        gdc_launch_dependents()
     if qblk * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
 
     offs_m = tl.arange(0, BLOCK_M)
     t = qblk * BLOCK_Q + offs_m // GROUP_PAD
@@ -121,10 +127,6 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if TPS_DEV:
-        # A CUDA graph's plan: the split length is written per step into device memory (the
-        # grid, num_splits, is fixed at capture).
-        tokens_per_split = tl.load(tps_ptr)
     lo = split * tokens_per_split
     hi = tl.minimum(lo + tokens_per_split, seq_len)
     if CAUSAL:
@@ -199,9 +201,16 @@ def _paged_attention_kernel(
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         sp = split.to(tl.int64)
+        # Splits that start inside the sequence (split 0 always: it holds a draft block's own
+        # K/V); with the fused reduce the others store nothing and are not merged.
+        live = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1))
+        if FUSED_REDUCE:
+            row_st = row_ok & (offs_m * 0 + split < live)   # (a row tensor: the interpreter
+        else:                                                # takes no scalar-bool masks)
+            row_st = row_ok
         tl.store(part_o_ptr + sp * s_pos + q_rows[:, None] * s_pot + head[:, None] * s_poh
-                 + d[None, :], o, mask=st_mask)
-        tl.store(part_lse_ptr + sp * s_pls + q_rows * s_plt + head, lse, mask=row_ok)
+                 + d[None, :], o, mask=row_st[:, None] & d_ok[None, :])
+        tl.store(part_lse_ptr + sp * s_pls + q_rows * s_plt + head, lse, mask=row_st)
         if FUSED_REDUCE:
             # Single-launch split-KV: the last of this (sequence, q block, KV head)'s split
             # programs to arrive merges every partial. The barrier orders all threads' partial
@@ -215,8 +224,8 @@ def _paged_attention_kernel(
                 tl.debug_barrier()
                 _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start,
                               tl.minimum(q_len - qblk * BLOCK_Q, BLOCK_Q), qblk, kvh,
-                              num_splits, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
-                              GROUP, BLOCK_Q, HEAD_DIM, BLOCK_D, RED_CHUNK)
+                              live, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                              GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D, RED_CHUNK)
     else:
         tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=st_mask)
@@ -224,39 +233,49 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qblk, kvh,
-                  num_splits, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
-                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, RED_CHUNK: tl.constexpr):
-    """The fused reduce: merge every split's partial for the ``n_tok * GROUP`` (token, head) rows
-    of one program's query block, ``RED_CHUNK`` splits per step (an online log-sum-exp merge),
-    write the output and reset the arrival counter for the next launch (or graph replay)."""
+                  live, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, RED_CHUNK: tl.constexpr):
+    """The fused reduce: merge the ``live`` splits' partials (the splits that start inside the
+    sequence; the others stored nothing) of one program's ``n_tok`` query tokens, all ``GROUP``
+    heads of a token at once as ``[GROUP_PAD, RED_CHUNK, BLOCK_D]`` tiles (a first pass takes
+    the heads' largest log-sum-exp, a second sums the weighted partials, ``RED_CHUNK`` splits
+    per load), write the output and reset the arrival counter for the next launch (or graph
+    replay)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    h = (kvh * GROUP + g).to(tl.int64)
     sp = tl.arange(0, RED_CHUNK)
-    for r in range(0, n_tok * GROUP):
-        row = (q_start + qblk * BLOCK_Q + r // GROUP).to(tl.int64)
-        h = kvh * GROUP + r % GROUP
-        m_run = tl.max(tl.full([RED_CHUNK], float("-inf"), tl.float32), 0)
-        den = tl.sum(tl.zeros([RED_CHUNK], tl.float32), 0)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for c in range(0, num_splits, RED_CHUNK):
+    for t in range(0, n_tok):
+        row = (q_start + qblk * BLOCK_Q + t).to(tl.int64)
+        lse_row = part_lse_ptr + row * s_plt + h[:, None]
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        for c in range(0, live, RED_CHUNK):
             s_idx = (c + sp).to(tl.int64)
-            s_ok = s_idx < num_splits
-            lse = tl.load(part_lse_ptr + s_idx * s_pls + row * s_plt + h, mask=s_ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(lse, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_safe)
-            w = tl.exp2(lse - m_safe)
-            o = tl.load(part_o_ptr + s_idx[:, None] * s_pos + row * s_pot + h * s_poh
-                        + d[None, :], mask=s_ok[:, None] & d_ok[None, :] & (w[:, None] > 0),
-                        other=0.0, cache_modifier=".cg")
-            acc = acc * alpha + tl.sum(o * w[:, None], 0)
-            den = den * alpha + tl.sum(w, 0)
-            m_run = m_new
-        res = acc / tl.where(den > 0, den, 1.0)
-        tl.store(out_ptr + row * s_ot + h * s_oh + d, res.to(out_ptr.dtype.element_ty),
-                 mask=d_ok)
+            lse = tl.load(lse_row + s_idx[None, :] * s_pls,
+                          mask=g_ok[:, None] & (s_idx < live)[None, :], other=float("-inf"),
+                          cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(lse, 1))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        for c in range(0, live, RED_CHUNK):
+            s_idx = (c + sp).to(tl.int64)
+            s_ok = g_ok[:, None] & (s_idx < live)[None, :]
+            lse = tl.load(lse_row + s_idx[None, :] * s_pls, mask=s_ok, other=float("-inf"),
+                          cache_modifier=".cg")
+            w = tl.exp2(lse - m[:, None])           # [GROUP_PAD, RED_CHUNK]
+            o = tl.load(part_o_ptr + s_idx[None, :, None] * s_pos + row * s_pot
+                        + h[:, None, None] * s_poh + d[None, None, :],
+                        mask=(s_ok & (w > 0))[:, :, None] & d_ok[None, None, :], other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(o * w[:, :, None], 1)
+            den += tl.sum(w, 1)
+        res = acc / tl.where(den > 0, den, 1.0)[:, None]
+        tl.store(out_ptr + row * s_ot + h[:, None] * s_oh + d[None, :],
+                 res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     tl.store(cnt_ptr, 0)
 
 
@@ -397,7 +416,7 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         BLOCK_D=cfg["BLOCK_D"], BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[4],
         CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
-        RED_CHUNK=cfg.get("RED_CHUNK", 32), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
+        RED_CHUNK=cfg.get("RED_CHUNK", 16), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
         QLENS=meta.query_lens is not None, **pdl_launch(q.device, "attn"),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

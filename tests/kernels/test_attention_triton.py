@@ -285,6 +285,10 @@ def test_kernel_config_tiles_follow_the_grid():
     dec = kernel_config(4, 128, 1, 128, programs=512, num_sms=132)
     assert dec["BLOCK_N"] == 32 and dec["maxnreg"] is None
     assert kernel_config(4, 128, 1, 1024, programs=64)["BLOCK_N"] == 64
+    # Decode merges its splits in the same launch, 32 splits per merge tile at GQA 4, d 128;
+    # verify keeps the merge launch.
+    assert dec["FUSED_REDUCE"] and dec["RED_CHUNK"] == 32
+    assert not one_wave["FUSED_REDUCE"] and not many["FUSED_REDUCE"]
 
 
 @pytest.mark.parametrize("q_len,fused", [(1, True), (1, False), (4, False)])
