@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
-#   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile tiles gated
+#   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofref tiles gated
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
@@ -11,7 +11,8 @@
 # grid, and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
 # peer (hf_decode_peer.py beside this repository's root, static cache + compile); e2e: the
 # shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
-# time of the batch-1 graphs and the linear layers alone (runner_profile.py). Markdown/logs go to
+# time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the graphs
+# only; kprofref: those of the _ref/ package). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -30,6 +31,10 @@ for s in "${steps[@]}"; do
             --attn-contexts --out "$OUT/pdl0.md" > "$OUT/pdl0.log" 2>&1 ;;
     profile) python3 benchmarks/runner_profile.py --profile --gemm --gemm-tiles \
                --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
+    kprof) python3 benchmarks/runner_profile.py --profile --out "$OUT/kprof.md" \
+             > "$OUT/kprof.log" 2>&1 ;;
+    kprofref) PYTHONPATH="/tmp/site:$PWD/_ref:$PWD" python3 benchmarks/runner_profile.py \
+                --profile --out "$OUT/kprofref.md" > "$OUT/kprofref.log" 2>&1 ;;
     gated) python3 benchmarks/runner_profile.py --gated --out "$OUT/gated.md" \
              > "$OUT/gated.log" 2>&1 ;;
     tiles) python3 benchmarks/runner_profile.py --gemm --gemm-tiles --gemm-hot --gemm-shapes \

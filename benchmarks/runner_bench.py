@@ -176,6 +176,13 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36, grid: int = 34) -
             for layer in range(layers):
                 at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
         out[name] = _graph_us(fn, layers)
+    for block_n, stages, warps in itertools.product((32, 64), (2, 3, 4), (4, 8)):
+        cfg = dict(FUSED_REDUCE=True, BLOCK_N=block_n, num_stages=stages, num_warps=warps)
+
+        def fn_t():
+            for layer in range(layers):
+                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
+        out.setdefault("tiles", {})[f"{block_n}/{stages}/{warps}"] = _graph_us(fn_t, layers)
     # The same bytes with each layer's pages in a tensor of its own (a page's K/V of one layer
     # is then 64 KB from the next page's, not num_layers x 64 KB): what the pool's page-major
     # layout costs the decode kernel.
@@ -376,7 +383,8 @@ def main():
               f"{a['fused32_us']:.1f}), split+merge {a['split_merge_us']:.1f} us per layer, "
               f"fused with a tensor per layer {a['layer_major_us']:.1f}, "
               f"floor {a['floor_us']:.1f} us (fused x floor "
-              f"{a['fused_us'] / a['floor_us']:.2f})", flush=True)
+              f"{a['fused_us'] / a['floor_us']:.2f}); fused by BLOCK_N/stages/warps: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in a["tiles"].items()), flush=True)
     if args.sweep:
         lines += ["", "| sweep ctx | q | splits | tokens/split | BLOCK_N | stages | grid | "
                   "us/layer | x floor |", "|---|---|---|---|---|---|---|---|---|"]

@@ -238,9 +238,9 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qb
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, RED_CHUNK: tl.constexpr):
     """The fused reduce: merge the ``live`` splits' partials (the splits that start inside the
     sequence; the others stored nothing) of one program's ``n_tok`` query tokens, all ``GROUP``
-    heads of a token at once as ``[GROUP_PAD, RED_CHUNK, BLOCK_D]`` tiles (a first pass takes
-    the heads' largest log-sum-exp, a second sums the weighted partials, ``RED_CHUNK`` splits
-    per load), write the output and reset the arrival counter for the next launch (or graph
+    heads of a token at once as ``[GROUP_PAD, RED_CHUNK, BLOCK_D]`` tiles (an online
+    log-sum-exp merge, ``RED_CHUNK`` splits per step: one step at batch 1 in the runner's
+    grids), write the output and reset the arrival counter for the next launch (or graph
     replay)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -250,29 +250,26 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok, qb
     sp = tl.arange(0, RED_CHUNK)
     for t in range(0, n_tok):
         row = (q_start + qblk * BLOCK_Q + t).to(tl.int64)
-        lse_row = part_lse_ptr + row * s_plt + h[:, None]
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        for c in range(0, live, RED_CHUNK):
-            s_idx = (c + sp).to(tl.int64)
-            lse = tl.load(lse_row + s_idx[None, :] * s_pls,
-                          mask=g_ok[:, None] & (s_idx < live)[None, :], other=float("-inf"),
-                          cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(lse, 1))
-        m = tl.where(m == float("-inf"), 0.0, m)
+        m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         den = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
         for c in range(0, live, RED_CHUNK):
             s_idx = (c + sp).to(tl.int64)
             s_ok = g_ok[:, None] & (s_idx < live)[None, :]
-            lse = tl.load(lse_row + s_idx[None, :] * s_pls, mask=s_ok, other=float("-inf"),
-                          cache_modifier=".cg")
-            w = tl.exp2(lse - m[:, None])           # [GROUP_PAD, RED_CHUNK]
+            # Both loads at once: a live split's partial is finite (0 where it saw nothing).
+            lse = tl.load(part_lse_ptr + s_idx[None, :] * s_pls + row * s_plt + h[:, None],
+                          mask=s_ok, other=float("-inf"), cache_modifier=".cg")
             o = tl.load(part_o_ptr + s_idx[None, :, None] * s_pos + row * s_pot
                         + h[:, None, None] * s_poh + d[None, None, :],
-                        mask=(s_ok & (w > 0))[:, :, None] & d_ok[None, None, :], other=0.0,
+                        mask=s_ok[:, :, None] & d_ok[None, None, :], other=0.0,
                         cache_modifier=".cg")
-            acc += tl.sum(o * w[:, :, None], 1)
-            den += tl.sum(w, 1)
+            m_new = tl.maximum(m_run, tl.max(lse, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_run - m_safe)
+            w = tl.exp2(lse - m_safe[:, None])           # [GROUP_PAD, RED_CHUNK]
+            acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+            den = den * alpha + tl.sum(w, 1)
+            m_run = m_new
         res = acc / tl.where(den > 0, den, 1.0)[:, None]
         tl.store(out_ptr + row * s_ot + h[:, None] * s_oh + d[None, :],
                  res.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

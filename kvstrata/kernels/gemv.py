@@ -39,12 +39,16 @@ GEMV_MAX_ROWS = 16
 class GemvLaunch:
     """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program (twice that when
     ``gated``: the gate and the up rows), ``block_k`` columns per loop step, ``stages`` loads
-    in flight, ``warps`` per program."""
+    in flight, ``warps`` per program; ``late_trigger``: under PDL the next kernel launches
+    when every program has streamed its weight rows, not as soon as they start (a small
+    product followed by a large one: else the large one's first tiles, read before its wait,
+    compete with this one's stream)."""
 
     block_n: int = 32
     block_k: int = 256
     stages: int = 4
     warps: int = 4
+    late_trigger: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -68,20 +72,27 @@ def gemv_launch(n: int, k: int, gated: bool = False) -> GemvLaunch:
         return GemvLaunch(32, 128, 3, 4)
     if n >= 6144:
         return GemvLaunch(64, 128, 5 if n <= 8192 else 3, 4)
-    return GemvLaunch(32, 256, 5, 4)
+    return GemvLaunch(32, 256, 5, 4, late_trigger=n * k <= 4096 * 4096)
 
 
 if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     r_ptr, g_ptr, h_ptr, ss_out_ptr, ss_in_ptr, s_rm, s_hm, parts_in, eps,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
+                     RMS_IN: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     PDL: tl.constexpr, UPCAST: tl.constexpr):
+                     LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr):
         # K is a multiple of BLOCK_K (the wrapper checks); rows past M and columns past N are
         # masked. Program i reads weight rows i * BLOCK_N ... (and, GATED, the up rows N + ...)
         # whole, in column order. The loop holds only loads and products: element-wise work
         # on the input tiles inside it (an RMSNorm's scale and squares) stalls the load
         # pipeline (measured: docs/benchmarks.md, runner section).
+        # ADD_NORM (the producer of a residual stream, not GATED): the epilogue adds the
+        # residual (r -> h), stores h, the sums of squares of its BLOCK_N columns per row
+        # (ss_out [M, programs]) and g * h as the output: the next RMSNorm but its row scale.
+        # RMS_IN (the consumer): x is g * h, and the accumulator is scaled by rsqrt(sum of the
+        # parts_in sums / K + eps) per row, so the loop stays loads and products.
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -97,10 +108,23 @@ if triton is not None:
         wu = w
         if GATED:
             wu = tl.load(u_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+        if ADD_NORM:
+            gam = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
-            gdc_launch_dependents()
+            if not LATE_TRIGGER:
+                gdc_launch_dependents()
         x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+        # The epilogue's inputs are read here, before the loop: the tail then only computes
+        # and stores (earlier kernels wrote them, all done once the wait above returns).
+        if RMS_IN:
+            p = tl.arange(0, PARTS_PAD)
+            ss = tl.load(ss_in_ptr + m[:, None] * parts_in + p[None, :],
+                         mask=m_ok[:, None] & (p < parts_in)[None, :], other=0.0)
+        if ADD_NORM:
+            mn = m_ok[:, None] & n_ok[None, :]
+            m64 = m[:, None].to(tl.int64)
+            res = tl.load(r_ptr + m64 * s_rm + n[None, :], mask=mn, other=0.0)
         acc = _dot_t(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), UPCAST)
         acc_u = acc
         if GATED:
@@ -114,6 +138,15 @@ if triton is not None:
             acc = _dot_t(x, w, acc, UPCAST)
             if GATED:
                 acc_u = _dot_t(x, wu, acc_u, UPCAST)
+        if PDL and LATE_TRIGGER:
+            # The next kernel starts (and reads its first weight tile) once every program here
+            # has streamed its weight rows (see GemvLaunch.late_trigger).
+            gdc_launch_dependents()
+        if RMS_IN:
+            rstd = tl.math.rsqrt(tl.sum(ss, 1) / K + eps)
+            acc = acc * rstd[:, None]
+            if GATED:
+                acc_u = acc_u * rstd[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if GATED:
@@ -124,6 +157,13 @@ if triton is not None:
             gate = acc.to(dt).to(tl.float32)
             silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             acc = silu * acc_u.to(dt).to(tl.float32)
+        if ADD_NORM:
+            # h = residual + product and g * h, rounded as add_rms_norm rounds them
+            hn = (res.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
+            tl.store(h_ptr + m64 * s_hm + n[None, :], hn, mask=mn)
+            hf = hn.to(tl.float32)
+            tl.store(ss_out_ptr + m * tl.num_programs(0) + pid, tl.sum(hf * hf, 1), mask=m_ok)
+            acc = gam[None, :] * hf
         tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(dt),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -162,43 +202,106 @@ def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = Fal
     return dataclasses.replace(lt, block_k=bk) if k % bk == 0 else None
 
 
+@dataclass(frozen=True)
+class RowRms:
+    """The row scale of an RMSNorm left to the next product: ``parts [M, P]`` float32 sums
+    of squares of a residual stream's rows in ``P`` column blocks (:func:`gemv_add_norm`
+    writes them) over ``dim`` columns; the scale is ``rsqrt(parts.sum(1) / dim + eps)``."""
+
+    parts: Tensor
+    dim: int
+    eps: float
+
+    def rstd(self) -> Tensor:
+        return torch.rsqrt(self.parts.sum(1) / self.dim + self.eps)
+
+
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "auto", *,
-         gated: bool = False) -> Tensor:
+         gated: bool = False, rms: RowRms | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]``, ``weight [N, K]`` (``[M, N]`` out);
     ``gated``: ``weight`` is ``[2 n, K]`` (gate rows, then up rows) and the result
     ``silu(gate) * up`` ``[M, n]``, what :func:`~.layer_ops.silu_mul_merged` of the product
-    computes, in the product's epilogue.
+    computes, in the product's epilogue. ``rms``: ``x`` is ``g * h`` from
+    :func:`gemv_add_norm`, and the product is that of ``rms_norm(h, g)``: ``x @ weight^T``
+    scaled per row by ``rms.rstd()`` (in float32, before the bias and the rounding).
 
     On CUDA with ``M <= GEMV_MAX_ROWS`` bf16/fp16 rows-contiguous operands one Triton launch
     with the measured tile (:func:`gemv_launch`), else the torch ops. Values differ from
     cuBLAS's only by the summation order (float32 sums).
     """
-    return _gemv(x, weight, bias, None, impl, gated)
+    return _gemv(x, weight, bias, None, impl, gated, rms)
+
+
+def gemv_add_norm(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor,
+                  norm_weight: Tensor, eps: float, impl: str = "auto"
+                  ) -> tuple[Tensor, Tensor, RowRms]:
+    """The product, the residual add and the next RMSNorm but its row scale, in the product's
+    epilogue: ``h = residual + F.linear(x, weight, bias)`` (rounded as
+    :func:`~.layer_ops.add_rms_norm` rounds it) and returns ``(norm_weight * h, h, RowRms)``;
+    ``gemv(norm_weight * h, w, rms=that RowRms)`` is then the product of ``rms_norm(h,
+    norm_weight)``, one launch less per norm."""
+    n = weight.shape[0]
+    if residual.shape != (x.shape[0], n) or norm_weight.shape != (n,):
+        raise ValueError(f"gemv_add_norm: residual {tuple(residual.shape)} and norm weight "
+                         f"{tuple(norm_weight.shape)} must be [{x.shape[0]}, {n}] and [{n}]")
+    return _gemv(x, weight, bias, None, impl, add_norm=(residual, norm_weight, eps))
 
 
 def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | None,
-          impl: str = "auto", gated: bool = False) -> Tensor:
-    """:func:`gemv` with a given tile (``None``: the default); benchmarks and tests."""
+          impl: str = "auto", gated: bool = False, rms: RowRms | None = None,
+          add_norm: tuple[Tensor, Tensor, float] | None = None):
+    """:func:`gemv` / :func:`gemv_add_norm` with a given tile (``None``: the default)."""
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"gemv: bias {tuple(bias.shape)} does not match weight "
                          f"{tuple(weight.shape)}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"gemv(gated=True): weight rows {weight.shape[0]} are not gate rows "
                          "then as many up rows")
+    if rms is not None and (rms.parts.shape[0] != x.shape[0] or rms.dim != x.shape[1]
+                            or rms.parts.dtype != torch.float32):
+        raise ValueError(f"gemv: rms parts {tuple(rms.parts.shape)} {rms.parts.dtype} over "
+                         f"{rms.dim} columns do not fit x {tuple(x.shape)} (float32 [M, P])")
     lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
-    if lt is None:
-        y = F.linear(x, weight, bias)
-        return silu_mul_merged(y, impl=impl) if gated else y
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
+    if lt is None:
+        y = F.linear(x, weight, None if rms is not None else bias)
+        if rms is not None:
+            y = (y.float() * rms.rstd()[:, None]).to(x.dtype)
+            y = y if bias is None else y + bias
+        y = silu_mul_merged(y, impl=impl) if gated else y
+        if add_norm is None:
+            return y
+        residual, g, eps = add_norm
+        h = (residual.float() + y.float()).to(x.dtype)
+        parts = h.float().square().sum(1, keepdim=True)
+        return (g.float() * h.float()).to(x.dtype), h, RowRms(parts, N, eps)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, lt.block_n),)](
+    grid = triton.cdiv(N, lt.block_n)
+    if add_norm is not None:
+        residual, g, eps = add_norm
+        h = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        ss_out = torch.empty((M, grid), dtype=torch.float32, device=x.device)
+        r_args = (residual, g, h, ss_out)
+    else:
+        eps = rms.eps if rms is not None else 0.0
+        r_args = (weight,) * 4
+    ss_in = rms.parts.contiguous() if rms is not None else weight
+    parts_in = ss_in.shape[1] if rms is not None else 1
+    _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
+        weight.stride(0), out.stride(0), *r_args, ss_in,
+        residual.stride(0) if add_norm else 0, h.stride(0) if add_norm else 0, parts_in, eps,
+        HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=add_norm is not None,
+        RMS_IN=rms is not None, PARTS_PAD=triton.next_power_of_2(parts_in),
         BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
+        LATE_TRIGGER=lt.late_trigger,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
         **pdl_launch(x.device, "gemv"))
+    if add_norm is not None:
+        return out, h, RowRms(ss_out, N, eps)
     return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "gemv", "gemv_launch", "gemv_ok"]
+__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "RowRms", "gemv", "gemv_add_norm", "gemv_launch",
+           "gemv_ok"]

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.gemv import gemv
+from ..kernels.gemv import gemv, gemv_add_norm, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -256,28 +256,42 @@ class Qwen3Model(nn.Module):
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
         # Every product is kernels.gemv: one Triton launch for a few rows (decode, verify at
-        # batch 1) on CUDA, F.linear otherwise.
+        # batch 1) on CUDA, F.linear otherwise. Where gemv runs its kernel, o_proj and down
+        # also add the residual and apply the next norm's weight in their epilogues
+        # (gemv_add_norm), and the next product scales its rows by the norm's rsqrt (rms):
+        # two launches less per layer.
         x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
                             impl=attn_impl)
         mm = functools.partial(gemv, impl=attn_impl)
+        fuse = gemv_ok(x, self.layers[0].self_attn.o_proj.weight, attn_impl)
+        rms = None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
             # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
-            q, _, _ = qkv_norm_rope(attn.qkv(x, product=mm), attn.q_norm.weight,
-                                    attn.k_norm.weight, attn.q_norm.eps, cos, sin, hq, hkv,
-                                    kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping,
-                                    impl=attn_impl)
+            q, _, _ = qkv_norm_rope(attn.qkv(x, product=functools.partial(mm, rms=rms)),
+                                    attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                    cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,
+                                    slot_mapping=slot_mapping, impl=attn_impl)
             o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                 sliding_window=windows[i], impl=attn_impl)
-            x, h = add_rms_norm(attn.project_out(o, product=mm),
-                                layer.post_attention_layernorm.weight, eps, residual=h,
-                                impl=attn_impl)
+            post = layer.post_attention_layernorm.weight
+            if fuse:
+                x, h, rms = attn.project_out(o, product=functools.partial(
+                    gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
+            else:
+                x, h = add_rms_norm(attn.project_out(o, product=mm), post, eps, residual=h,
+                                    impl=attn_impl)
             # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)
-            y = mm(gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True),
-                   mlp.down_proj.weight, mlp.down_proj.bias)
+            g = gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True, rms=rms)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = add_rms_norm(y, nxt.weight, eps, residual=h, impl=attn_impl)
+            if fuse and i + 1 < len(self.layers):
+                x, h, rms = gemv_add_norm(g, mlp.down_proj.weight, mlp.down_proj.bias, h,
+                                          nxt.weight, eps, impl=attn_impl)
+            else:
+                x, h = add_rms_norm(mm(g, mlp.down_proj.weight, mlp.down_proj.bias),
+                                    nxt.weight, eps, residual=h, impl=attn_impl)
+                rms = None
             for j, l in enumerate(capture_layers):
                 if l == i:
                     captured[j] = h

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.kernels import _device
-from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv, gemv_launch, gemv_ok
-from kvstrata.kernels.layer_ops import silu_mul_merged
+from kvstrata.kernels.gemv import (GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm, gemv_launch,
+                                  gemv_ok)
+from kvstrata.kernels.layer_ops import add_rms_norm, silu_mul_merged
 
 SMALL = GemvLaunch(block_n=32, block_k=64, stages=2, warps=4)
 SHAPES = [(1, 64, 256), (5, 70, 192), (16, 32, 128)]      # rows, out, in (70: a partial tile)
@@ -64,6 +65,56 @@ def test_interpreter_gated(m, n, k, dtype):
         assert torch.equal(got, sep)
 
 
+def _norm_chain(m, n, k, dtype, impl, launch=None, seed=0):
+    """o -> (o_proj + residual add + next norm's weight, in the epilogue) -> gate/up gated with
+    the row scale, and the same with the separate add_rms_norm (torch ops)."""
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(m, k, generator=g).to(dtype)
+    wo = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    res = torch.randn(m, n, generator=g).to(dtype)
+    gamma = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    wgu = (torch.randn(64, n, generator=g) * n ** -0.5).to(dtype)
+    kw = dict(impl=impl)
+    xg, h, rms = (_gemv(o, wo, None, launch, impl, add_norm=(res, gamma, 1e-6)) if launch
+                  else gemv_add_norm(o, wo, None, res, gamma, 1e-6, **kw))
+    y = (_gemv(xg, wgu, None, launch, impl, gated=True, rms=rms) if launch
+         else gemv(xg, wgu, gated=True, rms=rms, **kw))
+    x_ref, h_ref = add_rms_norm(F.linear(o, wo), gamma, 1e-6, residual=res, impl="torch")
+    y_ref = gemv(x_ref, wgu, gated=True, impl="torch")
+    return (xg, h, rms, y), (x_ref, h_ref, y_ref, gamma)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (5, 70, 64), (16, 96, 128)])
+def test_interpreter_deferred_norm_chain(m, n, k):
+    """gemv_add_norm's epilogue (residual add, g * h, per-block sums of squares) and the
+    consumer's row scale give the separate add_rms_norm chain's values (fp16; the norm's
+    rounding moves, so within rounding), and the torch fallback's chain too."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
+    (xg, h, rms, y), (x_ref, h_ref, y_ref, gamma) = _norm_chain(m, n, k, torch.float16,
+                                                                "triton", SMALL, seed=m)
+    assert rms.parts.shape == (m, -(-n // SMALL.block_n)) and rms.dim == n
+    _close(h, h_ref, torch.float16)
+    torch.testing.assert_close(rms.parts.sum(1), h.float().square().sum(1), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(xg.float(), gamma.float() * h.float(), rtol=1e-3, atol=1e-3)
+    _close(y, y_ref, torch.float16)
+    (xt, ht, rt, yt), _ = _norm_chain(m, n, k, torch.float16, "torch", seed=m)
+    _close(yt, y, torch.float16)
+
+
+def test_deferred_norm_checks_and_fallback():
+    (xg, h, rms, y), (x_ref, h_ref, y_ref, gamma) = _norm_chain(3, 32, 64, torch.float32,
+                                                                "torch")
+    assert torch.equal(h, h_ref) and rms.parts.shape == (3, 1)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    bad = RowRms(torch.zeros(2, 1), 32, 1e-6)
+    with pytest.raises(ValueError, match="rms parts"):
+        gemv(xg, torch.zeros(8, 32), rms=bad)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_add_norm(xg, torch.zeros(32, 32), None, h[:2], gamma, 1e-6)
+
+
 def test_gated_checks_and_fallback():
     x, w = _operands(3, 8, 64, torch.float32)
     with pytest.raises(ValueError, match="gate rows"):
@@ -97,6 +148,7 @@ def test_launch_validation_and_defaults():
     assert gemv_launch(6144, 4096) == GemvLaunch(64, 128, 5, 4)
     assert gemv_launch(24576, 4096) == GemvLaunch(64, 128, 3, 4)
     assert gemv_launch(4096, 12288) == GemvLaunch(32, 256, 5, 4)
+    assert gemv_launch(4096, 4096) == GemvLaunch(32, 256, 5, 4, late_trigger=True)
     assert gemv_launch(12288, 4096, gated=True) == GemvLaunch(32, 128, 3, 4)
 
 
@@ -116,6 +168,33 @@ def test_cuda_bf16_against_cublas_and_the_separate_kernels(m, n, k):
     _close(gemv(x, w, b), F.linear(x, w, b), torch.bfloat16)
     # gated: bit for bit the product then silu_mul_merged's kernel
     assert torch.equal(gemv(x, w, b, gated=True), silu_mul_merged(gemv(x, w, b)))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_cuda_deferred_norm_chain(m):
+    """o_proj-shaped producer (residual add, next norm's weight, sums of squares in its
+    epilogue) then the gated gate/up consumer scaled by the row rsqrt, against add_rms_norm's
+    kernel and the plain products (bf16, within rounding); h bit for bit add_rms_norm's;
+    deterministic."""
+    g = torch.Generator(device="cuda").manual_seed(m)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    o = torch.randn(m, 4096, generator=g, **bf)
+    wo = torch.randn(4096, 4096, generator=g, **bf) * 4096 ** -0.5
+    res = torch.randn(m, 4096, generator=g, **bf)
+    gamma = 1 + 0.1 * torch.randn(4096, generator=g, **bf)
+    wgu = torch.randn(2 * 12288, 4096, generator=g, **bf) * 4096 ** -0.5
+    xg, h, rms = gemv_add_norm(o, wo, None, res, gamma, 1e-6)
+    y = gemv(xg, wgu, gated=True, rms=rms)
+    x_ref, h_ref = add_rms_norm(gemv(o, wo), gamma, 1e-6, residual=res)
+    assert torch.equal(h, h_ref)
+    torch.testing.assert_close(rms.rstd(), h.float().square().mean(1).add(1e-6).rsqrt(),
+                               rtol=1e-5, atol=0)
+    _close(y, gemv(x_ref, wgu, gated=True), torch.bfloat16)
+    xg2, h2, rms2 = gemv_add_norm(o, wo, None, res, gamma, 1e-6)
+    assert torch.equal(xg, xg2) and torch.equal(rms.parts, rms2.parts)
+    assert torch.equal(y, gemv(xg2, wgu, gated=True, rms=rms2))
 
 
 @cuda
