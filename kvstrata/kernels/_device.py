@@ -40,7 +40,9 @@ def _pdl_device(device: torch.device) -> bool:
 #: verify-16 from 5.05 to 4.91 ms; the attention and split-merge launches as PDL secondaries
 #: lose (every family on: 4.89 / 5.32 ms), so they stay off. (Letting the split merge, not
 #: itself a PDL launch, start the o_proj product early lost too: speculative step 6.71 ms
-#: against 6.38.)
+#: against 6.38.) Attention as a secondary lost again with the fused decode merge, its plan read
+#: before the wait, and its trigger early or after the K/V loop: plain decode b1 4.91-5.00 ms
+#: against 4.68-4.76 (fifth runner session).
 PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
 PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
 

@@ -12,7 +12,8 @@ cuts the KV range into ``num_splits`` pieces of ``tokens_per_split`` tokens; eac
 normalised partial output and its log-sum-exp, merged either by a second launch
 (:func:`_reduce_splits_kernel`) or, with ``FUSED_REDUCE``, in the same launch: each split program
 bumps a per-(sequence, q block, KV head) arrival counter after storing its partial, and the last
-to arrive merges them all and resets the counter (so CUDA-graph replays start from zero). The
+to arrive merges them all and resets the counter (so CUDA-graph replays start from zero);
+:func:`~.attention_plan.kernel_config` turns it on for decode (one query per sequence). The
 split factor comes from host ints at plan time, never from a device->host sync.
 
 Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 elements.

@@ -11,6 +11,10 @@ Tiles are chosen per weight shape by :func:`gemv_launch` (measured on the H200,
 ``benchmarks/runner_profile.py``); benchmarks and tests try others through the private
 ``_gemv(..., launch)``. Under programmatic dependent launch (:func:`~._device.pdl_ok`) a
 program reads its first weight tile before it waits for the previous kernel.
+
+:func:`gemv_add_norm` also adds the residual and applies the next RMSNorm's weight in the
+epilogue and leaves the norm's row scale (:class:`RowRms`) to the next product's epilogue
+(``gemv(..., rms=...)``): a decoder layer's two norms without launches of their own.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ GEMV_MAX_ROWS = 16
 class GemvLaunch:
     """Tile of one :func:`gemv` launch: ``block_n`` weight rows per program (twice that when
     ``gated``: the gate and the up rows), ``block_k`` columns per loop step, ``stages`` loads
-    in flight, ``warps`` per program; ``late_trigger``: under PDL the next kernel launches
-    when every program has streamed its weight rows, not as soon as they start (a small
-    product followed by a large one: else the large one's first tiles, read before its wait,
-    compete with this one's stream)."""
+    in flight, ``warps`` per program; ``late_trigger`` (:func:`gemv_add_norm` launches only):
+    under PDL the next kernel launches when every program has streamed its weight rows, not
+    as soon as they start. Measured on the H200 (docs/benchmarks.md, fifth runner session):
+    the target's o_proj, followed by the large gated gate/up, took 13.3 us per layer with the
+    early trigger and 11.9 with the late one; the drafter's o_proj-sized products (followed by
+    a norm or attention) lost with it (draft graph 1.01 / 1.07 ms against 0.96 / 1.01)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -295,7 +301,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, PARTS_PAD=triton.next_power_of_2(parts_in),
         BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
-        LATE_TRIGGER=lt.late_trigger,
+        LATE_TRIGGER=lt.late_trigger and add_norm is not None,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
         **pdl_launch(x.device, "gemv"))
     if add_norm is not None:
