@@ -289,7 +289,8 @@ def test_merged_weights_one_copy_same_state_same_outputs(models):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_few_rows_gemv_path_matches_the_torch_path(models, dtype):
     """Steps of at most 16 rows in half precision run every product as one kernels/gemv.py
-    launch (here the interpreter: impl "triton"), SiLU-and-multiply inside gate/up's; logits,
+    launch (here the interpreter: impl "triton"), SiLU-and-multiply inside gate/up's, the
+    residual adds and norms inside the products' (two add_rms_norm launches per step); logits,
     captured layers and pool K/V match the torch path (impl "torch": F.linear) up to
     half-precision rounding."""
     import os
@@ -299,8 +300,9 @@ def test_few_rows_gemv_path_matches_the_torch_path(models, dtype):
     from kvstrata.kernels import layer_ops
     _, _, d = models
     m = Qwen3Model.from_pretrained(d, dtype=dtype)
-    launches, silu = [], []
+    launches, silu, norms = [], [], []
     real, real_silu = gemv_mod._gemv_kernel, layer_ops._silu_mul_merged_kernel
+    real_norm = layer_ops._add_rms_norm_kernel
 
     class Count:                      # counts kernel launches, then launches for real
         def __init__(self, kernel, into):
@@ -323,14 +325,19 @@ def test_few_rows_gemv_path_matches_the_torch_path(models, dtype):
         for chunk in steps:
             launches.clear()
             silu.clear()
+            norms.clear()
             gemv_mod._gemv_kernel = Count(real, launches)
             layer_ops._silu_mul_merged_kernel = Count(real_silu, silu)
+            layer_ops._add_rms_norm_kernel = Count(real_norm, norms)
             try:
                 got, cap_f = fused.step(chunk, capture=(0, 2))
             finally:
                 gemv_mod._gemv_kernel, layer_ops._silu_mul_merged_kernel = real, real_silu
+                layer_ops._add_rms_norm_kernel = real_norm
             assert len(launches) == 4 * m.config.num_hidden_layers    # q/k/v, o, gate/up, down
             assert not silu                                           # inside gate/up's
+            # the layers' norms ride in the products' epilogues: the first and the final only
+            assert len(norms) == 2
             want, cap_p = plain.step(chunk, capture=(0, 2))
             for sid in got:
                 torch.testing.assert_close(got[sid], want[sid], atol=tol, rtol=0)
