@@ -167,36 +167,33 @@ def decode_attention_b1(ctx: int, bw: float, layers: int = 36, grid: int = 34) -
         plan_attention(bt, [ctx], [1], page_size=16, num_kv_heads=8, num_splits=grid),
         tokens_per_split=per, split_tokens=torch.tensor([per], device="cuda"))
     q = torch.randn((1, 32, 128), dtype=torch.bfloat16, device="cuda")
-    out = {"splits": meta.num_splits, "tokens_per_split": per}
+    out = {"splits": meta.num_splits, "tokens_per_split": per, "tiles": {}}
+
+    def us(cfg, kv_layer):
+        def fn():
+            for layer in range(layers):
+                cache, lay = kv_layer(layer)
+                at.paged_attention_triton(q, cache, lay, meta, sm_scale=0.088, config=cfg)
+        return _graph_us(fn, layers)
+
+    pool = lambda layer: (kv, layer)  # noqa: E731 - the pool's page-major layout
     for name, cfg in (("split_merge_us", dict(FUSED_REDUCE=False)),
                       ("fused_us", dict(FUSED_REDUCE=True)),
                       ("fused8_us", dict(FUSED_REDUCE=True, RED_CHUNK=8)),
                       ("fused32_us", dict(FUSED_REDUCE=True, RED_CHUNK=32))):
-        def fn():
-            for layer in range(layers):
-                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
-        out[name] = _graph_us(fn, layers)
+        out[name] = us(cfg, pool)
     for block_n, stages, warps in itertools.product((32, 64), (2, 3, 4), (4, 8)):
-        cfg = dict(FUSED_REDUCE=True, BLOCK_N=block_n, num_stages=stages, num_warps=warps)
-
-        def fn_t():
-            for layer in range(layers):
-                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
-        out.setdefault("tiles", {})[f"{block_n}/{stages}/{warps}"] = _graph_us(fn_t, layers)
+        out["tiles"][f"{block_n}/{stages}/{warps}"] = us(
+            dict(FUSED_REDUCE=True, BLOCK_N=block_n, num_stages=stages, num_warps=warps), pool)
     # The same bytes with each layer's pages in a tensor of its own (a page's K/V of one layer
     # is then 64 KB from the next page's, not num_layers x 64 KB): what the pool's page-major
     # layout costs the decode kernel.
-    del kv
+    kv = None   # freed before the per-layer copies
     kvs = [torch.randn((pages, 1, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
            for _ in range(layers)]
-
-    def fn_lm():
-        for layer in range(layers):
-            at.paged_attention_triton(q, kvs[layer], 0, meta, sm_scale=0.088,
-                                      config=dict(FUSED_REDUCE=True))
-    out["layer_major_us"] = _graph_us(fn_lm, layers)
+    out["layer_major_us"] = us(dict(FUSED_REDUCE=True), lambda layer: (kvs[layer], 0))
     out["floor_us"] = ctx * 8 * 128 * 2 * 2 / bw * 1e6
-    del kvs
+    kvs = None
     return out
 
 

@@ -332,8 +332,9 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # program of a KV head reads [GROUP_PAD, RED_CHUNK, BLOCK_D] fp32 partial tiles. H200, batch
     # 1, 36 layers in a graph, the runner's 34-program grid (docs/benchmarks.md, fifth runner
     # session), us per layer at 1k / 8k / 32k: split + merge 8.9 / 20.6 / 67.5, fused with
-    # 8-split tiles 10.3 / 21.6 / 69.3, 16: 8.8 / 20.7 / 66.2, 32: 7.8 / 18.1 / 56.7. Verify's
-    # 64 rows per program would merge serially: it keeps the merge launch.
+    # 8-split tiles 10.3 / 21.6 / 69.3, 16: 8.8 / 20.7 / 66.2, 32: 7.8 / 18.1 / 56.7 (two-pass
+    # merge; the one-pass merge of 32: 7.1 / 17.4 / 55.4). Verify's 64 rows per program would
+    # merge serially: it keeps the merge launch.
     red_chunk = max(2, min(64, 16384 // (group_pad * block_d)))
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
