@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
-#   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofref tiles gated
+#   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
+#   gated
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
-# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS; AB_PDL adds
-# this tree with KVSTRATA_PDL=$AB_PDL); attn: batch-1 decode attention alone at 1k, 8k, 32k,
+# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS; AB_VARIANTS: more processes
+# of this tree, each with ENV=v[+ENV=v...]); attn: batch-1 decode attention alone at 1k, 8k, 32k,
 # split + merge against the fused merge; tiles: the q/k/v, o_proj and down products over a tile
 # grid, and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
 # peer (hf_decode_peer.py beside this repository's root, static cache + compile); e2e: the
 # shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
 # time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the graphs
-# only; kprofref: those of the _ref/ package). Markdown/logs go to
+# only; kprofb: the speculative step's graphs and whole step at KPROF_BATCHES (16); kprofref:
+# kprof of the _ref/ package). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -33,6 +35,8 @@ for s in "${steps[@]}"; do
                --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
     kprof) python3 benchmarks/runner_profile.py --profile --out "$OUT/kprof.md" \
              > "$OUT/kprof.log" 2>&1 ;;
+    kprofb) python3 benchmarks/runner_profile.py --profile --batches ${KPROF_BATCHES:-16} \
+              --out "$OUT/kprofb.md" > "$OUT/kprofb.log" 2>&1 ;;
     kprofref) PYTHONPATH="/tmp/site:$PWD/_ref:$PWD" python3 benchmarks/runner_profile.py \
                 --profile --out "$OUT/kprofref.md" > "$OUT/kprofref.log" 2>&1 ;;
     gated) python3 benchmarks/runner_profile.py --gated --out "$OUT/gated.md" \
@@ -42,11 +46,11 @@ for s in "${steps[@]}"; do
     one) python3 benchmarks/runner_bench.py --batches 1 --steps 24 --attn-contexts \
            --out "$OUT/one.md" > "$OUT/one.log" 2>&1 ;;
     ab) for r in ${AB_ROUNDS:-1 2}; do   # this tree against the kvstrata package in _ref/
-           for t in new ref ${AB_PDL:+pdl}; do   # pdl: this tree with KVSTRATA_PDL=$AB_PDL
+           for t in new ref ${AB_VARIANTS:-}; do   # a variant: this tree with ENV=v[+ENV=v...]
              echo "== $t (round $r)"
-             [ $t = ref ] && pp="/tmp/site:$PWD/_ref:$PWD" || pp="$PYTHONPATH"
-             [ $t = pdl ] && pdl="$AB_PDL" || pdl="${KVSTRATA_PDL:-1}"
-             KVSTRATA_PDL=$pdl PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 \
+             pp="$PYTHONPATH"; envs=()
+             case $t in ref) pp="/tmp/site:$PWD/_ref:$PWD" ;; new) ;; *) IFS=+ read -ra envs <<< "$t" ;; esac
+             env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 \
                --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
            done
          done > "$OUT/ab.log" 2>&1 ;;

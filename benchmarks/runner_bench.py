@@ -326,12 +326,13 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         row(f"{name}, min split {m}", b, ctx, bench.step_ms(args.steps), None,
                             floor, compute)
                     llm.runner.min_split_tokens = default
-                if d is not None and b == 1:
+                if d is not None:   # the step's two graphs, each against its own floors
                     fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
                     row(f"verify-{llm.block_size} (graph replay)", b, ctx,
-                        bench.graph_ms("verify", 50), None, fl_v)
+                        bench.graph_ms("verify", 50), None, fl_v, b * B * w_t / flops * 1e3)
                     fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
-                    row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d)
+                    row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d,
+                        b * B * (w_d + w_head) / flops * 1e3)
                 bench.close()
                 del bench      # it holds the LLM: the pool must go before the next one
             del llm

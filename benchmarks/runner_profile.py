@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -88,7 +88,7 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True,
                          f"({t_cublas / floor:.2f}) | {best:.1f} ({best / floor:.2f}) | {tile} | "
                          f"{t_def:.1f} | {'-' if t_hot is None else f'{t_hot:.1f}'} |")
             print(lines[-1], flush=True)
-        del ws
+        ws.clear()   # frees the copies (a del would leave the closures unbound)
         torch.cuda.empty_cache()
 
 
@@ -111,7 +111,7 @@ def gated_sweep(bw: float, lines: list[str], rows=(1, 16)) -> None:
         lines.append(f"| {m} | {size / bw * 1e6:.1f} | {t_alone:.1f} | {t_sep:.1f} | "
                      f"{t_gated:.1f} |")
         print(lines[-1], flush=True)
-    del ws
+    ws.clear()
     torch.cuda.empty_cache()
 
 
@@ -165,30 +165,72 @@ def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -
     print("\n".join(lines[-30:]), flush=True)
 
 
+def host_breakdown(bench, title: str, lines: list[str], steps: int = 20) -> None:
+    """Host time of each part of a speculative step as ``Bench.step`` runs it (``perf_counter``
+    around each call; the fetch includes the wait for the device)."""
+    run, B = bench.llm.runner, bench.B
+    parts = defaultdict(float)
+    for rep in range(steps + 2):
+        t = [time.perf_counter()]
+        items = bench.items()
+        b = len(items)
+        t.append(time.perf_counter())
+        run._stage(items, b)
+        t.append(time.perf_counter())
+        run.graphs[("draft", b)].replay()
+        t.append(time.perf_counter())
+        run.graphs[("verify", b)].replay()
+        t.append(time.perf_counter())
+        res = run._fetch(b)
+        t.append(time.perf_counter())
+        produced = [res[i, :res[i, B]].tolist() for i in range(b)]
+        for k, new in zip(bench.keys, produced):
+            commit = ([bench.tok[k]] + new)[:len(new)]
+            bench.llm.mgr.commit(k, commit)
+            bench.start[k] += len(commit)
+            bench.tok[k] = new[-1]
+        t.append(time.perf_counter())
+        if rep >= 2:
+            for name, a, z in zip(("items", "stage", "draft replay call", "verify replay call",
+                                   "fetch (waits)", "tokens + commit"), t, t[1:]):
+                parts[name] += (z - a) / steps * 1e6
+    lines += ["", f"### {title}: host time per step part (us)", "",
+              "| " + " | ".join(parts) + " |", "|---" * len(parts) + "|",
+              "| " + " | ".join(f"{v:.0f}" for v in parts.values()) + " |"]
+    print("\n".join(lines[-5:]), flush=True)
+
+
 def profile_steps(args, lines: list[str]) -> None:
     p = PRESETS["8b"]
     target, drafter = build_models(p, "cuda", torch.bfloat16)
     target._fingerprint = "bench-target-8b"
-    for mode, d in (("plain", None), ("spec", drafter)):
-        llm = make_llm(target, d, 1, max(args.contexts))
-        for ctx in args.contexts:
-            bench = Bench(llm, 1, ctx, mode)
-            run = llm.runner
-            items = bench.items()
-            run._stage(items, 1)
-            for name in (("draft", "verify") if d is not None else ("verify",)):
-                g = run.graphs[(name, 1)]
-                ms = replay_ms(g, 30)
-                kernel_table(g.replay, 10, f"{mode} b1 ctx {ctx}: {name} graph", lines, ms)
-                if ctx == args.contexts[0]:
-                    fn = run._verify_fn if name == "verify" else run._draft_fn
-                    with torch.inference_mode():
-                        kernel_table(lambda: fn(1), 5, f"{mode} b1 ctx {ctx}: {name} eager",
-                                     lines, ms)
-            bench.close()
-            del bench
-        del llm
-        torch.cuda.empty_cache()
+    for b in args.batches:
+        for mode, d in (("plain", None), ("spec", drafter)):
+            if b > 1 and d is None:
+                continue   # few-rows plain decode is the batch-1 profile's; batches: the spec step
+            llm = make_llm(target, d, b, max(args.contexts))
+            for ctx in args.contexts:
+                bench = Bench(llm, b, ctx, mode)
+                run = llm.runner
+                run._stage(bench.items(), b)
+                for name in (("draft", "verify") if d is not None else ("verify",)):
+                    g = run.graphs[(name, b)]
+                    ms = replay_ms(g, 30)
+                    kernel_table(g.replay, 10, f"{mode} b{b} ctx {ctx}: {name} graph", lines, ms)
+                    if ctx == args.contexts[0] and b == 1:
+                        fn = run._verify_fn if name == "verify" else run._draft_fn
+                        with torch.inference_mode():
+                            kernel_table(lambda: fn(1), 5, f"{mode} b1 ctx {ctx}: {name} eager",
+                                         lines, ms)
+                if d is not None:   # the whole step: both graphs, acceptance, host work
+                    host_breakdown(bench, f"{mode} b{b} ctx {ctx}", lines)
+                    ms = bench.step_ms(10)
+                    kernel_table(bench.step, 5, f"{mode} b{b} ctx {ctx}: step (wall {ms:.2f} ms)",
+                                 lines, ms)
+                bench.close()
+                del bench
+            del llm
+            torch.cuda.empty_cache()
 
 
 def main():
@@ -201,6 +243,8 @@ def main():
     ap.add_argument("--gated", action="store_true", help="gate/up with SiLU, alone")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1],
+                    help="--profile: batch 1 plain and speculative; larger: speculative")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)

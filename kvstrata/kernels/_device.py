@@ -43,7 +43,7 @@ def _pdl_device(device: torch.device) -> bool:
 #: against 6.38.) Attention as a secondary lost again with the fused decode merge, its plan read
 #: before the wait, and its trigger early or after the K/V loop: plain decode b1 4.91-5.00 ms
 #: against 4.68-4.76 (fifth runner session).
-PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
+PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce", "attn_trigger")
 PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
 
 

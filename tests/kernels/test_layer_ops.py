@@ -100,11 +100,13 @@ def _qkv_case(dtype, T=4, hq=4, hkv=2, D=32, seed=3):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qkv_norm_rope_equals_the_separate_kernels(dtype):
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (12, 4)])
+def test_qkv_norm_rope_equals_the_separate_kernels(dtype, hq, hkv):
     """One launch for q and k of a merged projection: bit for bit the head_norm_rope kernel of
-    each part (same rounding steps), v a view of the input."""
-    T, hq, hkv, D = 4, 4, 2, 32
-    qkv, qw, kw, cos, sin = _qkv_case(dtype)
+    each part (same rounding steps), v a view of the input. 12 + 4 heads: a program's tile of
+    ROPE_HEADS holds q and k heads both."""
+    T, D = 4, 32
+    qkv, qw, kw, cos, sin = _qkv_case(dtype, hq=hq, hkv=hkv)
     q, k, v = qkv_norm_rope(qkv, qw, kw, 1e-6, cos, sin, hq, hkv, impl="triton")
     parts = qkv.split([hq * D, hkv * D, hkv * D], -1)
     assert torch.equal(q, head_norm_rope(parts[0].reshape(T, hq, D), qw, 1e-6, cos, sin,
