@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated
+#   gated rope
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
@@ -14,7 +14,7 @@
 # shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
 # time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the graphs
 # only; kprofb: the speculative step's graphs and whole step at KPROF_BATCHES (16); kprofref:
-# kprof of the _ref/ package). Markdown/logs go to
+# kprof of the _ref/ package); rope: the q/k norm + RoPE kernel's tiles alone. Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -35,6 +35,7 @@ for s in "${steps[@]}"; do
                --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
     kprof) python3 benchmarks/runner_profile.py --profile --out "$OUT/kprof.md" \
              > "$OUT/kprof.log" 2>&1 ;;
+    rope) python3 benchmarks/runner_profile.py --rope --out "$OUT/rope.md" > "$OUT/rope.log" 2>&1 ;;
     kprofb) python3 benchmarks/runner_profile.py --profile --batches ${KPROF_BATCHES:-16} \
               --out "$OUT/kprofb.md" > "$OUT/kprofb.log" 2>&1 ;;
     kprofref) PYTHONPATH="/tmp/site:$PWD/_ref:$PWD" python3 benchmarks/runner_profile.py \

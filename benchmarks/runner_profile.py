@@ -16,8 +16,12 @@ decode/verify/draft graphs, and the linear layers' shapes alone against the copy
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
 import itertools
 import os
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -115,6 +119,35 @@ def gated_sweep(bw: float, lines: list[str], rows=(1, 16)) -> None:
     torch.cuda.empty_cache()
 
 
+def rope_sweep(lines: list[str], rows=(1, 16, 256, 1024),
+               tiles=((1, 1), (8, 2), (8, 4), (8, 8), (4, 2), (2, 1))) -> None:
+    """q/k norm + RoPE + K/V write (``qkv_norm_rope``, Qwen3-8B heads) alone, 36 launches in a
+    graph, us per launch for each (heads per program, warps)."""
+    from kvstrata.kernels import layer_ops
+    from kvstrata.nn.layers import RotaryEmbedding
+    hq, hkv, d = 32, 8, 128
+    pool = torch.zeros(4096, 36, 2, hkv, 16, d, dtype=torch.bfloat16, device="cuda")
+    qw = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    kw = torch.rand(d, device="cuda", dtype=torch.bfloat16) + 0.5
+    lines += ["", "### q/k norm + RoPE + K/V write alone (us per launch)", "",
+              "| rows | " + " | ".join(f"{h} heads / {w} warps" for h, w in tiles) + " |",
+              "|---" * (len(tiles) + 1) + "|"]
+    default = (layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS)
+    for m in rows:
+        qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+        cos, sin = RotaryEmbedding(d, 1e6).to("cuda").cos_sin(torch.arange(m, device="cuda"))
+        slots = torch.arange(m, device="cuda") * 3
+        res = []
+        for h, w in tiles:
+            layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS = h, w
+            res.append(_graph_us(lambda: [layer_ops.qkv_norm_rope(
+                qkv, qw, kw, 1e-6, cos, sin, hq, hkv, kv_cache=pool, layer=i,
+                slot_mapping=slots) for i in range(36)], 36))
+        lines.append(f"| {m} | " + " | ".join(f"{t:.2f}" for t in res) + " |")
+        print(lines[-1], flush=True)
+    layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS = default
+
+
 def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -> None:
     """Per kernel name, per step: summed durations, and the kernel's share of the step's
     timeline: with programmatic dependent launch a kernel starts while the previous one runs,
@@ -197,7 +230,16 @@ def host_breakdown(bench, title: str, lines: list[str], steps: int = 20) -> None
     lines += ["", f"### {title}: host time per step part (us)", "",
               "| " + " | ".join(parts) + " |", "|---" * len(parts) + "|",
               "| " + " | ".join(f"{v:.0f}" for v in parts.values()) + " |"]
-    print("\n".join(lines[-5:]), flush=True)
+    # and by function (cProfile over Bench.step: own time, the device wait included)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        bench.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(16)
+    lines += ["", "```", *[ln for ln in buf.getvalue().splitlines() if ln.strip()][-18:], "```"]
+    print("\n".join(lines[-26:]), flush=True)
 
 
 def profile_steps(args, lines: list[str]) -> None:
@@ -209,6 +251,7 @@ def profile_steps(args, lines: list[str]) -> None:
             if b > 1 and d is None:
                 continue   # few-rows plain decode is the batch-1 profile's; batches: the spec step
             llm = make_llm(target, d, b, max(args.contexts))
+            fn = None
             for ctx in args.contexts:
                 bench = Bench(llm, b, ctx, mode)
                 run = llm.runner
@@ -229,7 +272,8 @@ def profile_steps(args, lines: list[str]) -> None:
                                  lines, ms)
                 bench.close()
                 del bench
-            del llm
+            llm = run = g = fn = None
+            gc.collect()    # the pool must be gone before the next batch's LLM plans its own
             torch.cuda.empty_cache()
 
 
@@ -242,6 +286,7 @@ def main():
                     help="also each product over one (L2-resident) weight copy")
     ap.add_argument("--gated", action="store_true", help="gate/up with SiLU, alone")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rope", action="store_true", help="q/k norm + RoPE tiles, alone")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1],
                     help="--profile: batch 1 plain and speculative; larger: speculative")
@@ -252,6 +297,8 @@ def main():
     lines = [f"# runner profile, {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.3f} TB/s"]
     if args.gated:
         gated_sweep(bw, lines)
+    if args.rope:
+        rope_sweep(lines)
     if args.profile:
         profile_steps(args, lines)
     if args.gemm:

@@ -261,6 +261,8 @@ class KVCacheManager:
         # sequence (the chain's parent is the last hash).
         start = len(seq.hashes)
         P = self.page_size
+        if len(seq.token_ids) < (start + 1) * P:
+            return []       # no page filled (most decode steps)
         parent = seq.hashes[-1] if seq.hashes else seq.namespace.digest
         new_hashes = chain_hashes(parent, seq.token_ids[start * P:], P)
         for i, h in enumerate(new_hashes, start):

@@ -203,6 +203,11 @@ class ModelRunner:
         self._h_out = torch.zeros((mb, B + 1), dtype=torch.int32, pin_memory=pin)
         self._hs, self._hbt, self._ho = (self._h_small.numpy(), self._h_bt.numpy(),
                                          self._h_out.numpy())
+        # Which sequence's pages each staged block-table row holds, and how many: a live
+        # sequence's page list only grows (PageManager.reserve extends it), so a row that keeps
+        # its sequence gets only its new pages written (8k tokens are 512 pages a row).
+        self._row_seq: list = [None] * mb
+        self._row_pages = [0] * mb
         self._done = torch.cuda.Event() if dev.type == "cuda" else None
         self._events = ([torch.cuda.Event(enable_timing=True) for _ in range(3)]
                         if config.timing and dev.type == "cuda" else None)
@@ -336,11 +341,18 @@ class ModelRunner:
         split lengths into pinned staging, then two asynchronous copies into the persistent
         buffers."""
         mb, hs, hbt = self.max_batch, self._hs, self._hbt
-        seqs = self.mgr.seqs
+        seqs, row_seq, row_pages = self.mgr.seqs, self._row_seq, self._row_pages
         top = 0
         for i, it in enumerate(items):
-            pages = seqs[it.seq_id].page_ids
-            hbt[i, :len(pages)] = pages
+            seq = seqs[it.seq_id]
+            pages = seq.page_ids
+            n = len(pages)
+            k = row_pages[i] if row_seq[i] is seq else 0
+            if k > n or (k and hbt[i, k - 1] != pages[k - 1]):
+                k = 0       # not the list this row staged: the whole row again
+            if n > k:
+                hbt[i, k:n] = pages[k:]
+            row_seq[i], row_pages[i] = seq, n
             hs[i] = it.tokens[-1]
             hs[mb + i] = it.start
             hs[2 * mb + i] = it.n

@@ -107,7 +107,8 @@ def test_padding_rows_change_nothing(ckpts):
 
 def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
     """Steps of 3, then 2 (other order), then 1 sequence through the persistent buffers give the
-    tokens and K/V of the packed general path on the same inputs, step by step."""
+    tokens and K/V of the packed general path on the same inputs, step by step; the staged
+    block-table rows hold each row's pages."""
     llm = _llm(ckpts)
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=40))
     by = {r.request_id: r for r in reqs}
@@ -116,6 +117,9 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
         general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
                                               lambda items: llm.runner.decode(items, pad_to=4))
         assert fast == general, f"order {order}"
+        for i, r in enumerate(rs):   # staged rows: written in part when a row keeps its sequence
+            pages = llm.mgr.seqs[r.seq_id].page_ids
+            assert llm.runner._hbt[i, :len(pages)].tolist() == pages, f"order {order} row {i}"
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
         _commit(llm, rs, fast)
