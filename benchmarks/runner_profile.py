@@ -132,20 +132,20 @@ def rope_sweep(lines: list[str], rows=(1, 16, 256, 1024),
     lines += ["", "### q/k norm + RoPE + K/V write alone (us per launch)", "",
               "| rows | " + " | ".join(f"{h} heads / {w} warps" for h, w in tiles) + " |",
               "|---" * (len(tiles) + 1) + "|"]
-    default = (layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS)
+    default = (layer_ops.ROPE_HEADS, layer_ops.rope_warps)
     for m in rows:
         qkv = torch.randn(m, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
         cos, sin = RotaryEmbedding(d, 1e6).to("cuda").cos_sin(torch.arange(m, device="cuda"))
         slots = torch.arange(m, device="cuda") * 3
         res = []
         for h, w in tiles:
-            layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS = h, w
+            layer_ops.ROPE_HEADS, layer_ops.rope_warps = h, (lambda rows, w=w: w)
             res.append(_graph_us(lambda: [layer_ops.qkv_norm_rope(
                 qkv, qw, kw, 1e-6, cos, sin, hq, hkv, kv_cache=pool, layer=i,
                 slot_mapping=slots) for i in range(36)], 36))
         lines.append(f"| {m} | " + " | ".join(f"{t:.2f}" for t in res) + " |")
         print(lines[-1], flush=True)
-    layer_ops.ROPE_HEADS, layer_ops.ROPE_WARPS = default
+    layer_ops.ROPE_HEADS, layer_ops.rope_warps = default
 
 
 def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -> None:

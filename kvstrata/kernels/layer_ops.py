@@ -34,10 +34,19 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
-#: Heads per program of the q/k norm + RoPE kernels, and their warps. One head per program (the
-#: first version) took 13.5 us per layer for 256 rows (verify at batch 16) on the H200.
+#: Heads per program of the q/k norm + RoPE kernels. Measured on the H200 (docs/benchmarks.md,
+#: sixth runner session; qkv_norm_rope with the K/V write, Qwen3-8B heads, us per launch at 1 /
+#: 16 / 256 / 1024 rows): one head and one warp per program (the first version) 1.40 / 1.59 /
+#: 12.98 / 49.97; 8 heads with 8 warps 1.34 / 1.47 / 3.71 / 11.56, with 4 warps 1.50 / 1.65 /
+#: 3.62 / 8.17, with 2 warps 2.02 / 2.15 / 3.36 / 8.53.
 ROPE_HEADS = 8
-ROPE_WARPS = 2
+
+
+def rope_warps(rows: int) -> int:
+    """Warps per program of the q/k norm + RoPE kernels for ``rows`` tokens (chosen by rows
+    only, so :func:`qkv_norm_rope` and :func:`head_norm_rope` of the same rows share a tile
+    and round alike)."""
+    return 8 if rows <= 64 else 4
 
 
 def add_rms_norm_ref(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None
@@ -258,7 +267,7 @@ def head_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tens
         _head_norm_rope_kernel[(T, triton.cdiv(H, ROPE_HEADS))](
             x, weight, cos, sin, out, eps, H, x.stride(0), x.stride(1), out.stride(0),
             out.stride(1), cos.stride(0), sin.stride(0), HEAD_DIM=D, HALF=D // 2,
-            HEADS=ROPE_HEADS, num_warps=ROPE_WARPS)
+            HEADS=ROPE_HEADS, num_warps=rope_warps(T))
     return out
 
 
@@ -339,7 +348,7 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
             slot_mapping if write else cos, eps, layer * st[1], qkv.stride(0), qa.stride(0),
             ka.stride(0), cos.stride(0), sin.stride(0), st[0], st[2], st[3], st[4],
             NQ=hq, NKV=hkv, HEAD_DIM=d, HALF=d // 2, HEADS=ROPE_HEADS,
-            PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=ROPE_WARPS,
+            PAGE_SIZE=kv_cache.shape[4] if write else 1, WRITE=write, num_warps=rope_warps(T),
             **pdl_launch(qkv.device, "rope"))
     return q, k, v
 

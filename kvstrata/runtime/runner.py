@@ -332,9 +332,9 @@ class ModelRunner:
             ev[2].record()
         self._stats["decode_steps"] += 1
         self._stats["graph_steps"] += int(use)
-        res = self._fetch(b)
+        rows = self._fetch(b)[:n].tolist()
         B = self.B
-        return [res[i, :res[i, B]].tolist() for i in range(n)]
+        return [r[:r[B]] for r in rows]
 
     def _stage(self, items: list[StepItem], b: int) -> None:
         """Host side of a decode step: pending tokens, lengths, block lengths, block tables and
@@ -342,7 +342,7 @@ class ModelRunner:
         buffers."""
         mb, hs, hbt = self.max_batch, self._hs, self._hbt
         seqs, row_seq, row_pages = self.mgr.seqs, self._row_seq, self._row_pages
-        top = 0
+        n_items = len(items)
         for i, it in enumerate(items):
             seq = seqs[it.seq_id]
             pages = seq.page_ids
@@ -353,13 +353,14 @@ class ModelRunner:
             if n > k:
                 hbt[i, k:n] = pages[k:]
             row_seq[i], row_pages[i] = seq, n
-            hs[i] = it.tokens[-1]
-            hs[mb + i] = it.start
-            hs[2 * mb + i] = it.n
-            top = max(top, it.start)
-        hs[len(items):b] = 0
-        hs[mb + len(items):mb + b] = -1      # padding rows: slot -1, length 0
-        hs[2 * mb + len(items):2 * mb + b] = self.B
+        starts = [it.start for it in items]
+        top = max(starts)
+        hs[:n_items] = [it.tokens[-1] for it in items]
+        hs[mb:mb + n_items] = starts
+        hs[2 * mb:2 * mb + n_items] = [it.n for it in items]
+        hs[n_items:b] = 0
+        hs[mb + n_items:mb + b] = -1      # padding rows: slot -1, length 0
+        hs[2 * mb + n_items:2 * mb + b] = self.B
         sv, sb, sc = self.plans(b).splits
         for j, (s, longest) in enumerate(((sv, top + self.B), (sb, top), (sc, top + self.B))):
             hs[3 * mb + j] = self._split_len(longest, s)
