@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated rope
+#   gated rope bsweep
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
@@ -14,7 +14,8 @@
 # shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
 # time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the graphs
 # only; kprofb: the speculative step's graphs and whole step at KPROF_BATCHES (16); kprofref:
-# kprof of the _ref/ package); rope: the q/k norm + RoPE kernel's tiles alone. Markdown/logs go to
+# kprof of the _ref/ package); rope: the q/k norm + RoPE kernel's tiles alone; bsweep: verify
+# attention at BSWEEP_BATCHES (16 64) over split counts and tiles in the runner's grid. Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -27,6 +28,9 @@ for s in "${steps[@]}"; do
              ${TESTS:-tests/runtime/test_runner_cuda.py tests/kernels} > "$OUT/tests.log" 2>&1 ;;
     sweep) python3 benchmarks/runner_bench.py --sweep --sweep-contexts 8192 32768 --batches \
              --attn-contexts --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1 ;;
+    bsweep) python3 benchmarks/runner_bench.py --batches --attn-contexts --sweep-contexts 1024 \
+              8192 --batch-sweep ${BSWEEP_BATCHES:-16 64} --out "$OUT/bsweep.md" \
+              > "$OUT/bsweep.log" 2>&1 ;;
     b1) python3 benchmarks/runner_bench.py --batches 1 --steps 16 --attn-contexts 8192 \
           --min-split ${MIN_SPLITS:-256 512 1024} --out "$OUT/b1.md" > "$OUT/b1.log" 2>&1 ;;
     pdl0) KVSTRATA_PDL=0 python3 benchmarks/runner_bench.py --batches 1 --steps 24 \

@@ -237,6 +237,55 @@ def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36, align: int = 
     return rows
 
 
+def batch_attn_sweep(b: int, ctx: int, bw: float, q_len: int = 16, layers: int = 36,
+                     max_seq_len: int = 8704) -> list[dict]:
+    """Verify attention of ``b`` sequences (``q_len`` queries each over ``ctx`` tokens), 36
+    layers in one graph, as the runner's graph runs it (the split length read from device
+    memory, spread over the grid's splits), per layer, for split counts x KV tile x register
+    cap, against the runner's own choice (``RunnerConfig.min_split_tokens`` policy over
+    ``max_seq_len``) and bytes / copy rate."""
+    import dataclasses
+    from kvstrata.kernels import attention_triton as at
+    from kvstrata.kernels.attention_plan import DEFAULT_SPLIT_POLICY, choose_num_splits, \
+        plan_attention
+    from kvstrata.runtime.runner import MIN_SPLIT_TOKENS
+    pages = -(-(ctx + q_len) // 16)
+    kv = torch.randn((b * pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+    bt = torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)
+    q = torch.randn((b * q_len, 32, 128), dtype=torch.bfloat16, device="cuda")
+    floor = b * ctx * 8 * 128 * 2 * 2 / bw * 1e6
+    pol = dataclasses.replace(DEFAULT_SPLIT_POLICY, min_tokens=MIN_SPLIT_TOKENS)
+    chosen = choose_num_splits(b, max_seq_len, num_kv_heads=8, num_q_blocks=1, policy=pol,
+                               max_query_len=q_len)
+    rows = []
+    for splits in sorted({1, 2, 3, 4, 6, 8, chosen}):
+        per = -(-(ctx + q_len) // splits)
+        per = -(-per // 32) * 32
+        base = plan_attention(bt, [ctx + q_len] * b, [q_len] * b, page_size=16,
+                              num_kv_heads=8, num_splits=splits)
+        dev = torch.tensor([per], dtype=torch.int64, device="cuda")
+        meta = dataclasses.replace(base, tokens_per_split=per, split_tokens=dev)
+        for block_n, cap in itertools.product((32, 64), (None, 128)):
+            cfg = dict(BLOCK_N=block_n, maxnreg=cap)
+
+            def fn():
+                for layer in range(layers):
+                    at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
+            us = _graph_us(fn, layers)
+            rows.append(dict(batch=b, ctx=ctx, q=q_len, splits=splits, chosen=chosen,
+                             block_n=block_n, maxnreg=cap, us=us, floor_us=floor))
+            print(f"batch sweep b{b} ctx {ctx} splits {splits} (runner: {chosen}) BLOCK_N "
+                  f"{block_n} maxnreg {cap}: {us:6.1f} us/layer, x floor {us / floor:.2f}",
+                  flush=True)
+        def_us = _graph_us(lambda: [at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088)
+                                    for layer in range(layers)], layers)
+        rows.append(dict(batch=b, ctx=ctx, q=q_len, splits=splits, chosen=chosen,
+                         block_n="default", maxnreg="default", us=def_us, floor_us=floor))
+        print(f"batch sweep b{b} ctx {ctx} splits {splits}: kernel_config default "
+              f"{def_us:6.1f} us/layer", flush=True)
+    return rows
+
+
 def shipped_e2e(lines: list[str], res: dict) -> None:
     """Tokens/s of the shipped trained pair, speculative vs plain, graphs on and off."""
     from kvstrata.assets.corpus import heldout_prompts
@@ -351,6 +400,9 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="batch-1 split sweep of the attention kernel (decode and verify-16)")
     ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--batch-sweep", type=int, nargs="*", default=[],
+                    help="verify-16 attention of these batches over --sweep-contexts: split "
+                         "counts x tiles, in the runner's grid")
     ap.add_argument("--sweep-align", type=int, default=128,
                     help="split lengths of the sweep are multiples of this (>= 32)")
     ap.add_argument("--min-split", type=int, nargs="*", default=[],
@@ -393,6 +445,17 @@ def main():
                     lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
                                  f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
                                  f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
+
+    if args.batch_sweep:
+        lines += ["", "| batch | ctx | splits (runner's) | BLOCK_N | maxnreg | us/layer | x floor |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in args.batch_sweep:
+            for ctx in args.sweep_contexts:
+                for r in batch_attn_sweep(b, ctx, bw):
+                    res.setdefault("batch_sweep", []).append(r)
+                    lines.append(f"| {b} | {ctx} | {r['splits']} ({r['chosen']}) | "
+                                 f"{r['block_n']} | {r['maxnreg']} | {r['us']:.1f} | "
+                                 f"{r['us'] / r['floor_us']:.2f} |")
 
     if args.batches:
         flops = matmul_rate()
