@@ -5,18 +5,20 @@
 #   gated rope bsweep
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
-# ab: batch-1 steps of this tree and of a kvstrata package copied into _ref/ (carry it: e.g.
-# `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS; AB_VARIANTS: more processes
-# of this tree, each with ENV=v[+ENV=v...]); attn: batch-1 decode attention alone at 1k, 8k, 32k,
-# split + merge against the fused merge; tiles: the q/k/v, o_proj and down products over a tile
-# grid, and L2-hot; gated: gate/up with SiLU in the product against two launches; bench: runner_bench (batches 1 16 64); peer: the transformers
-# peer (hf_decode_peer.py beside this repository's root, static cache + compile); e2e: the
-# shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel device
-# time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the graphs
-# only; kprofb: the speculative step's graphs and whole step at KPROF_BATCHES (16); kprofref:
-# kprof of the _ref/ package); rope: the q/k norm + RoPE kernel's tiles alone; bsweep: verify
-# attention at BSWEEP_BATCHES (16 64) over split counts and tiles in the runner's grid. Markdown/logs go to
-# $OUT/<step>.{md,log}; each step's last TAIL (6) log lines are printed.
+# ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
+# it: e.g. `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS;
+# AB_VARIANTS: more processes of this tree, each with ENV=v[+ENV=v...]); attn: batch-1 decode
+# attention alone at 1k, 8k, 32k, split + merge against the fused merge; tiles: the q/k/v,
+# o_proj and down products over a tile grid, and L2-hot; gated: gate/up with SiLU in the
+# product against two launches; bench: runner_bench (batches 1 16 64; BENCH_ARGS); peer: the
+# transformers peer (hf_decode_peer.py beside this repository's root, static cache + compile);
+# e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel
+# device time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the
+# graphs only; kprofb: the speculative step's graphs, host parts and whole step at
+# KPROF_BATCHES (16); kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
+# kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) over split counts
+# and tiles in the runner's grid. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
+# TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -55,8 +57,8 @@ for s in "${steps[@]}"; do
              echo "== $t (round $r)"
              pp="$PYTHONPATH"; envs=()
              case $t in ref) pp="/tmp/site:$PWD/_ref:$PWD" ;; new) ;; *) IFS=+ read -ra envs <<< "$t" ;; esac
-             env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches 1 \
-               --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
+             env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches \
+               ${AB_BATCHES:-1} --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
            done
          done > "$OUT/ab.log" 2>&1 ;;
     attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \

@@ -41,7 +41,8 @@ class SplitPolicy:
             (fewer than ``num_sms`` programs); ``fine_min_tokens >= align``.
         waves: target programs per SM (``programs <= waves * num_sms``).
         short_ctx: contexts up to this many tokens are not split once every SM has a program.
-        verify_split_ctx: multi-token queries over contexts this long take >= 2 splits.
+        verify_split_ctx: multi-token queries over contexts this long take >= 2 splits (when
+            unsplit they would exceed ``waves`` programs per SM).
         verify_fine_min_tokens: ``fine_min_tokens`` for multi-token queries, unless even
             splits this long leave fewer programs than SMs (then ``fine_min_tokens``).
         max_splits: upper bound on the split factor.
@@ -168,7 +169,10 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
     - Short contexts (``<= policy.short_ctx``) that already give every SM a program are not
       split: the partial outputs and the merge cost more than they save.
     - Multi-token queries (verify) over long contexts (``>= policy.verify_split_ctx``) take at
-      least 2 splits (128 x 8k verify-16: 1300 us unsplit, 1099 us with 2).
+      least 2 splits (128 x 8k verify-16: 1300 us unsplit, 1099 us with 2) when the unsplit
+      grid exceeds ``policy.waves`` programs per SM; one that fits (64 x verify-16: 512
+      programs) stays whole (runner's grid, per layer: 82.4 us unsplit at 1k against 104.4
+      with 2 splits, 635.6 / 645.7 at 8k; docs/benchmarks.md, sixth runner session).
     - No split is shorter than ``policy.min_tokens``; when that leaves fewer programs than SMs
       (a few sequences), no shorter than ``policy.fine_min_tokens`` (decode) or
       ``policy.verify_fine_min_tokens`` (verify: 1 x 8k verify-16 26.1 us with 32 splits, more
@@ -180,7 +184,8 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
     if max_seq_len <= pol.short_ctx and programs >= num_sms:
         return 1
     want = math.floor(pol.waves * num_sms / programs)
-    if max_query_len > 1 and max_seq_len >= pol.verify_split_ctx:
+    if (max_query_len > 1 and max_seq_len >= pol.verify_split_ctx
+            and programs > pol.waves * num_sms):
         want = max(want, 2)
     if want <= 1:
         return 1

@@ -128,6 +128,7 @@ def test_split_choice_is_host_only_and_sane():
     # 128-token ones only where 256-token splits would still leave SMs idle.
     v = dict(num_kv_heads=8, num_sms=132, max_query_len=16)
     assert choose_num_splits(128, 8192, **v) == 2
+    assert choose_num_splits(64, 8192, **v) == 1     # one wave of 512 programs: whole
     assert choose_num_splits(32, 8192, **v) == 2
     assert choose_num_splits(8, 32768, **v) == 8
     assert choose_num_splits(1, 8192, **v) == 32
