@@ -56,7 +56,11 @@ for s in "${steps[@]}"; do
            for t in new ref ${AB_VARIANTS:-}; do   # a variant: this tree with ENV=v[+ENV=v...]
              echo "== $t (round $r)"
              pp="$PYTHONPATH"; envs=()
-             case $t in ref) pp="/tmp/site:$PWD/_ref:$PWD" ;; new) ;; *) IFS=+ read -ra envs <<< "$t" ;; esac
+             case $t in
+               ref) pp="/tmp/site:$PWD/_ref:$PWD" ;;
+               new) ;;
+               *) IFS=+ read -ra envs <<< "$t" ;;
+             esac
              env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches \
                ${AB_BATCHES:-1} --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
            done

@@ -447,8 +447,8 @@ def main():
                                  f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
 
     if args.batch_sweep:
-        lines += ["", "| batch | ctx | splits (runner's) | BLOCK_N | maxnreg | us/layer | x floor |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| batch | ctx | splits (runner's) | BLOCK_N | maxnreg | us/layer | "
+                  "x floor |", "|---|---|---|---|---|---|---|"]
         for b in args.batch_sweep:
             for ctx in args.sweep_contexts:
                 for r in batch_attn_sweep(b, ctx, bw):
