@@ -42,8 +42,10 @@ def _pdl_device(device: torch.device) -> bool:
 #: itself a PDL launch, start the o_proj product early lost too: speculative step 6.71 ms
 #: against 6.38.) Attention as a secondary lost again with the fused decode merge, its plan read
 #: before the wait, and its trigger early or after the K/V loop: plain decode b1 4.91-5.00 ms
-#: against 4.68-4.76 (fifth runner session).
-PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce", "attn_trigger")
+#: against 4.68-4.76 (fifth runner session). Attention not a secondary but triggering o_proj
+#: early (sixth session, five processes in three calls): plain decode b1 at 1k 4.59-4.74 ms
+#: against 4.54-4.78 without, no gain; removed.
+PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
 PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
 
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch, pdl_ok  # noqa: F401
+from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch  # noqa: F401
 from .attention_plan import REDUCE_TILE, AttentionMetadata, block_q_for, kernel_config
 
 _LOG2E = 1.4426950408889634
@@ -81,8 +81,7 @@ def _paged_attention_kernel(
         PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr,
         HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         RED_CHUNK: tl.constexpr, SPLIT_LOOP: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr, PDL: tl.constexpr,
-        TRIGGER: tl.constexpr):
+        UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr, PDL: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
@@ -104,8 +103,6 @@ def _paged_attention_kernel(
         tokens_per_split = tl.load(tps_ptr)
     if PDL:   # every program waits, the idle ones too (kernels/_device.pdl_ok)
         gdc_wait()
-        gdc_launch_dependents()
-    elif TRIGGER:   # not a PDL launch itself, but lets its dependent (o_proj) start early
         gdc_launch_dependents()
     if qblk * BLOCK_Q >= q_len:
         return
@@ -420,7 +417,6 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         RED_CHUNK=cfg.get("RED_CHUNK", 16), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
         IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
         QLENS=meta.query_lens is not None, **pdl_launch(q.device, "attn"),
-        TRIGGER=pdl_ok(q.device, "attn_trigger"),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
