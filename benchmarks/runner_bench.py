@@ -98,14 +98,17 @@ class Bench:
         return out
 
     def step(self):
-        items = self.items()
-        produced = self.llm.runner.execute(items)
+        produced = self.llm.runner.execute(self.items())
+        self.commit(produced)
+        return produced
+
+    def commit(self, produced: list[list[int]]) -> None:
+        """Commit each sequence's produced tokens as the engine does."""
         for k, new in zip(self.keys, produced):
             commit = ([self.tok[k]] + new)[:len(new)]
             self.llm.mgr.commit(k, commit)
             self.start[k] += len(commit)
             self.tok[k] = new[-1]
-        return produced
 
     def step_ms(self, n: int) -> float:
         self.step()

@@ -214,14 +214,9 @@ def host_breakdown(bench, title: str, lines: list[str], steps: int = 20) -> None
         t.append(time.perf_counter())
         run.graphs[("verify", b)].replay()
         t.append(time.perf_counter())
-        res = run._fetch(b)
+        rows = run._fetch(b)[:b].tolist()
         t.append(time.perf_counter())
-        produced = [res[i, :res[i, B]].tolist() for i in range(b)]
-        for k, new in zip(bench.keys, produced):
-            commit = ([bench.tok[k]] + new)[:len(new)]
-            bench.llm.mgr.commit(k, commit)
-            bench.start[k] += len(commit)
-            bench.tok[k] = new[-1]
+        bench.commit([r[:r[B]] for r in rows])
         t.append(time.perf_counter())
         if rep >= 2:
             for name, a, z in zip(("items", "stage", "draft replay call", "verify replay call",

@@ -204,7 +204,7 @@ class ModelRunner:
         self._hs, self._hbt, self._ho = (self._h_small.numpy(), self._h_bt.numpy(),
                                          self._h_out.numpy())
         # Which sequence's pages each staged block-table row holds, and how many: a live
-        # sequence's page list only grows (PageManager.reserve extends it), so a row that keeps
+        # sequence's page list only grows (KVCacheManager.reserve extends it), so a row that keeps
         # its sequence gets only its new pages written (8k tokens are 512 pages a row).
         self._row_seq: list = [None] * mb
         self._row_pages = [0] * mb
