@@ -48,18 +48,13 @@ class GemvLaunch:
     as soon as they start. Measured on the H200 (docs/benchmarks.md, fifth runner session):
     the target's o_proj, followed by the large gated gate/up, took 13.3 us per layer with the
     early trigger and 11.9 with the late one; the drafter's o_proj-sized products (followed by
-    a norm or attention) lost with it (draft graph 1.01 / 1.07 ms against 0.96 / 1.01).
-    ``fma`` (one input row only): the tensor-core-free kernel (:func:`_gemv_row_kernel`),
-    ``block_k`` columns per unrolled step (``stages`` unused), its first ``pre`` weight tiles
-    read before the PDL wait."""
+    a norm or attention) lost with it (draft graph 1.01 / 1.07 ms against 0.96 / 1.01)."""
 
     block_n: int = 32
     block_k: int = 256
     stages: int = 4
     warps: int = 4
     late_trigger: bool = False
-    fma: bool = False
-    pre: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -69,28 +64,16 @@ class GemvLaunch:
         if not 1 <= self.stages <= 8 or self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"GemvLaunch: stages={self.stages} (1-8), warps={self.warps} "
                              "(1, 2, 4, 8 or 16)")
-        if not 1 <= self.pre <= 4 or (self.pre > 1 and not self.fma):
-            raise ValueError(f"GemvLaunch.pre={self.pre}: 1-4 weight tiles before the PDL "
-                             "wait, more than 1 only with fma=True")
 
 
-def gemv_launch(n: int, k: int, gated: bool = False, rows: int = GEMV_MAX_ROWS) -> GemvLaunch:
+def gemv_launch(n: int, k: int, gated: bool = False) -> GemvLaunch:
     """The default tile for an ``[n, k]`` weight. Measured on the H200 (docs/benchmarks.md,
     runner section: every tile of a grid, 1 and 16 rows): the Qwen3-8B shapes' best tiles
     were 64 x 128 for wide outputs (q/k/v 6144, gate/up 24576; 5 stages up to 8k rows, 3
     beyond) and 32 x 256 with 5 stages for 4096-wide ones (o_proj, down); a split over K (2 or
     4 ranges, summed in one launch) and bulk L2 prefetches before the PDL wait lost
     everywhere. ``gated`` (gate and up rows per program): 32 x 128, 3 stages (the same 64
-    weight rows per program as the plain gate/up tile).
-
-    One row (``rows == 1``, a batch-1 decode step) takes the FMA kernel: 16 weight rows per
-    program, 256 columns per step, 2 tiles before the PDL wait. The decoder's four products
-    x 36 layers in one graph (1 row, H200, same call): 3.587 ms against 3.690 for the tiles
-    above (read floor 3.297); 16 x 512 read 3.570, 1 tile before the wait 3.82-3.97. Every
-    shape takes the same tile, so the gated launch and the plain one sum in the same order."""
-    if rows == 1:
-        return GemvLaunch(16, 256, 1, 4, late_trigger=not gated and n * k <= 4096 * 4096,
-                          fma=True, pre=2)
+    weight rows per program as the plain gate/up tile)."""
     if gated:
         return GemvLaunch(32, 128, 3, 4)
     if n >= 6144:
@@ -191,108 +174,6 @@ if triton is not None:
                  mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, s_wn,
-                         r_ptr, g_ptr, h_ptr, ss_out_ptr, ss_in_ptr, parts_in, eps,
-                         K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                         ADD_NORM: tl.constexpr, RMS_IN: tl.constexpr,
-                         PARTS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PRE: tl.constexpr,
-                         LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr):
-        # One input row: float32 products element by element into a [BLOCK_N, BLOCK_K]
-        # accumulator, summed over its columns at the end. No tensor cores and no shared
-        # memory: the weight tiles go straight to registers, so the first PRE tiles are held
-        # there across the PDL wait (the tensor-core kernel has to stage its tiles through
-        # shared memory). The K / BLOCK_K steps are unrolled (K is a multiple of BLOCK_K). x is
-        # read as a tile in the weight tile's layout (its rows repeat: L1 hits), so it needs
-        # no layout conversion. Epilogue as _gemv_kernel's, for one row.
-        pid = tl.program_id(0)
-        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        n_ok = n < N
-        w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn + kk[None, :]
-        u_rows = w_rows + N * s_wn
-        x_cols = x_ptr + kk[None, :] + 0 * n[:, None]
-        w0, u0 = _w_tile(w_rows, u_rows, n_ok, GATED)
-        w1, u1 = w0, u0
-        w2, u2 = w0, u0
-        w3, u3 = w0, u0
-        if PRE >= 2:
-            w1, u1 = _w_tile(w_rows + BLOCK_K, u_rows + BLOCK_K, n_ok, GATED)
-        if PRE >= 3:
-            w2, u2 = _w_tile(w_rows + 2 * BLOCK_K, u_rows + 2 * BLOCK_K, n_ok, GATED)
-        if PRE >= 4:
-            w3, u3 = _w_tile(w_rows + 3 * BLOCK_K, u_rows + 3 * BLOCK_K, n_ok, GATED)
-        if ADD_NORM:
-            gam = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        if PDL:
-            gdc_wait()
-            if not LATE_TRIGGER:
-                gdc_launch_dependents()
-        if RMS_IN:
-            p = tl.arange(0, PARTS_PAD)
-            ss = tl.load(ss_in_ptr + p, mask=p < parts_in, other=0.0)
-        if ADD_NORM:
-            res = tl.load(r_ptr + n, mask=n_ok, other=0.0)
-        xv = tl.load(x_cols).to(tl.float32)
-        acc = w0.to(tl.float32) * xv
-        acc_u = acc
-        if GATED:
-            acc_u = u0.to(tl.float32) * xv
-        if PRE >= 2:
-            acc, acc_u = _fma(x_cols + BLOCK_K, w1, u1, acc, acc_u, GATED)
-        if PRE >= 3:
-            acc, acc_u = _fma(x_cols + 2 * BLOCK_K, w2, u2, acc, acc_u, GATED)
-        if PRE >= 4:
-            acc, acc_u = _fma(x_cols + 3 * BLOCK_K, w3, u3, acc, acc_u, GATED)
-        for i in tl.static_range(PRE, K // BLOCK_K):
-            w, wu = _w_tile(w_rows + i * BLOCK_K, u_rows + i * BLOCK_K, n_ok, GATED)
-            acc, acc_u = _fma(x_cols + i * BLOCK_K, w, wu, acc, acc_u, GATED)
-        if PDL and LATE_TRIGGER:
-            gdc_launch_dependents()
-        y = tl.sum(acc, 1)
-        y_u = y
-        if GATED:
-            y_u = tl.sum(acc_u, 1)
-        if RMS_IN:
-            rstd = tl.math.rsqrt(tl.sum(ss, 0) / K + eps)
-            y = y * rstd
-            y_u = y_u * rstd
-        if HAS_BIAS:
-            y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-            if GATED:
-                y_u += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
-        if GATED:
-            gate = y.to(dt).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            y = silu * y_u.to(dt).to(tl.float32)
-        if ADD_NORM:
-            hn = (res.to(tl.float32) + y.to(dt).to(tl.float32)).to(dt)
-            tl.store(h_ptr + n, hn, mask=n_ok)
-            hf = tl.where(n_ok, hn.to(tl.float32), 0.0)
-            tl.store(ss_out_ptr + pid, tl.sum(hf * hf, 0))
-            y = gam * hf
-        tl.store(out_ptr + n, y.to(dt), mask=n_ok)
-
-    @triton.jit
-    def _w_tile(w_rows, u_rows, n_ok, GATED: tl.constexpr):
-        """A weight tile (and, ``GATED``, the matching up rows' tile)."""
-        w = tl.load(w_rows, mask=n_ok[:, None], other=0.0)
-        wu = w
-        if GATED:
-            wu = tl.load(u_rows, mask=n_ok[:, None], other=0.0)
-        return w, wu
-
-    @triton.jit
-    def _fma(x_cols, w, wu, acc, acc_u, GATED: tl.constexpr):
-        """``acc += w * x`` element by element in float32 (and ``acc_u += wu * x``)."""
-        xv = tl.load(x_cols).to(tl.float32)
-        acc += w.to(tl.float32) * xv
-        if GATED:
-            acc_u += wu.to(tl.float32) * xv
-        return acc, acc_u
-
-    @triton.jit
     def _dot_t(x, w, acc, UPCAST: tl.constexpr):
         """``acc + x @ w^T``; ``UPCAST``: in float32 (the CPU interpreter's bf16 dot is wrong)."""
         if UPCAST:
@@ -314,35 +195,17 @@ def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto") -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _launch(weight: Tensor, x: Tensor, launch: GemvLaunch | None, gated: bool = False
+def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = False
             ) -> GemvLaunch | None:
-    """``launch`` (or the default for ``x``'s rows) fitted to ``k`` columns: ``block_k``
-    halved until it divides ``k``, ``pre`` at most ``k / block_k``; ``None`` when no tile
-    fits. An ``fma`` launch takes one row only."""
-    m, k = x.shape
-    lt = launch or _env_launch(gemv_launch(weight.shape[0] // (2 if gated else 1), k, gated,
-                                           rows=m))
-    if lt.fma and m != 1:
-        raise ValueError(f"gemv: an fma launch takes one row, got {m}")
+    """``launch`` (or the default) fitted to ``k`` columns: ``block_k`` halved until it
+    divides ``k``; ``None`` when no tile fits."""
+    lt = launch or gemv_launch(weight.shape[0] // (2 if gated else 1), k, gated)
     if weight.shape[1] != k:
         return None
     bk = lt.block_k
     while bk > 16 and k % bk:
         bk //= 2
-    if k % bk:
-        return None
-    return dataclasses.replace(lt, block_k=bk, pre=min(lt.pre, k // bk))
-
-
-def _env_launch(lt: GemvLaunch) -> GemvLaunch:  # EXPERIMENT (device sweeps): env override
-    import os
-    v = os.environ.get("KVSTRATA_GEMV_FMA")
-    if not lt.fma or not v:
-        return lt
-    if v == "0":
-        return GemvLaunch()
-    bn, bk, pre, warps = map(int, v.split(","))
-    return dataclasses.replace(lt, block_n=bn, block_k=bk, pre=pre, warps=warps)
+    return dataclasses.replace(lt, block_k=bk) if k % bk == 0 else None
 
 
 @dataclass(frozen=True)
@@ -404,7 +267,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
                             or rms.parts.dtype != torch.float32):
         raise ValueError(f"gemv: rms parts {tuple(rms.parts.shape)} {rms.parts.dtype} over "
                          f"{rms.dim} columns do not fit x {tuple(x.shape)} (float32 [M, P])")
-    lt = _launch(weight, x, launch, gated) if gemv_ok(x, weight, impl) else None
+    lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
     if lt is None:
@@ -431,16 +294,6 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         r_args = (weight,) * 4
     ss_in = rms.parts.contiguous() if rms is not None else weight
     parts_in = ss_in.shape[1] if rms is not None else 1
-    late = lt.late_trigger and add_norm is not None
-    if lt.fma:
-        _gemv_row_kernel[(grid,)](
-            x, weight, bias if bias is not None else weight, out, N, weight.stride(0),
-            *r_args, ss_in, parts_in, eps, K=K, HAS_BIAS=bias is not None, GATED=gated,
-            ADD_NORM=add_norm is not None, RMS_IN=rms is not None,
-            PARTS_PAD=triton.next_power_of_2(parts_in), BLOCK_N=lt.block_n,
-            BLOCK_K=lt.block_k, PRE=lt.pre, LATE_TRIGGER=late, num_warps=lt.warps,
-            **pdl_launch(x.device, "gemv"))
-        return (out, h, RowRms(ss_out, N, eps)) if add_norm is not None else out
     _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), *r_args, ss_in,
@@ -448,7 +301,8 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, PARTS_PAD=triton.next_power_of_2(parts_in),
         BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
-        LATE_TRIGGER=late, UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
+        LATE_TRIGGER=lt.late_trigger and add_norm is not None,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
         **pdl_launch(x.device, "gemv"))
     if add_norm is not None:
         return out, h, RowRms(ss_out, N, eps)
