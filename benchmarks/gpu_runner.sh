@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated rope bsweep
+#   gated rope bsweep vsweep
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
@@ -17,7 +17,8 @@
 # graphs only; kprofb: the speculative step's graphs, host parts and whole step at
 # KPROF_BATCHES (16); kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
 # kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) over split counts
-# and tiles in the runner's grid. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
+# and tiles in the runner's grid; vsweep: batch-1 verify attention over q blocks, fused merge,
+# split lengths and tiles. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -30,6 +31,8 @@ for s in "${steps[@]}"; do
              ${TESTS:-tests/runtime/test_runner_cuda.py tests/kernels} > "$OUT/tests.log" 2>&1 ;;
     sweep) python3 benchmarks/runner_bench.py --sweep --sweep-contexts 8192 32768 --batches \
              --attn-contexts --out "$OUT/sweep.md" > "$OUT/sweep.log" 2>&1 ;;
+    vsweep) python3 benchmarks/runner_bench.py --batches --attn-contexts --sweep-contexts 1024 \
+              8192 --verify-sweep --out "$OUT/vsweep.md" > "$OUT/vsweep.log" 2>&1 ;;
     bsweep) python3 benchmarks/runner_bench.py --batches --attn-contexts --sweep-contexts 1024 \
               8192 --batch-sweep ${BSWEEP_BATCHES:-16 64} --out "$OUT/bsweep.md" \
               > "$OUT/bsweep.log" 2>&1 ;;

@@ -236,7 +236,47 @@ def split_sweep(ctx: int, q_len: int, bw: float, layers: int = 36, align: int = 
             print(f"sweep ctx {ctx} q {q_len} splits {splits:2d} ({per:5d} tok) BLOCK_N "
                   f"{block_n} stages {stages} grid {grid:6s}: {us:6.1f} us/layer, x floor "
                   f"{us / floor:.2f}", flush=True)
-    del kv
+    return rows
+
+
+def verify_b1_sweep(ctx: int, bw: float, layers: int = 36, q_len: int = 16) -> list[dict]:
+    """Batch-1 verify attention (``q_len`` queries over ``ctx`` tokens), 36 layers in one graph
+    in the runner's grid (64 split programs, the split length read from device memory), per
+    layer: query tokens per program (``BLOCK_Q``; the default takes all 16 in one program) x
+    the split merge in the same launch (``FUSED_REDUCE``: the last split program of each q block
+    merges its rows) or as a second launch x split length x KV tile."""
+    import dataclasses
+    from kvstrata.kernels import attention_triton as at
+    from kvstrata.kernels.attention_plan import plan_attention
+    pages = -(-(ctx + q_len) // 16)
+    kv = torch.randn((pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
+    bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
+    q = torch.randn((q_len, 32, 128), dtype=torch.bfloat16, device="cuda")
+    floor = ctx * 8 * 128 * 2 * 2 / bw * 1e6
+    base = plan_attention(bt, [ctx + q_len], [q_len], page_size=16, num_kv_heads=8,
+                          num_splits=64)
+    ref = None
+    rows = []
+    for per, block_q, fused, block_n in itertools.product((128, 256, 512), (16, 8, 4),
+                                                          (False, True), (32, 64)):
+        if -(-(ctx + q_len) // per) > 64:
+            continue
+        dev = torch.tensor([per], dtype=torch.int64, device="cuda")
+        meta = dataclasses.replace(base, tokens_per_split=per, split_tokens=dev)
+        cfg = dict(BLOCK_Q=block_q, FUSED_REDUCE=fused, BLOCK_N=block_n)
+        out = at.paged_attention_triton(q, kv, 0, meta, sm_scale=0.088, config=cfg)
+        ref = out if ref is None else ref
+        err = (out.float() - ref.float()).abs().max().item()
+
+        def fn():
+            for layer in range(layers):
+                at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088, config=cfg)
+        us = _graph_us(fn, layers)
+        rows.append(dict(ctx=ctx, tokens_per_split=per, block_q=block_q, fused=fused,
+                         block_n=block_n, us=us, floor_us=floor, max_diff=err))
+        print(f"verify b1 ctx {ctx} split {per:4d} BLOCK_Q {block_q:2d} fused {fused:d} "
+              f"BLOCK_N {block_n}: {us:6.1f} us/layer (x floor {us / floor:.2f}, max diff "
+              f"{err:.1e})", flush=True)
     return rows
 
 
@@ -406,6 +446,9 @@ def main():
     ap.add_argument("--batch-sweep", type=int, nargs="*", default=[],
                     help="verify-16 attention of these batches over --sweep-contexts: split "
                          "counts x tiles, in the runner's grid")
+    ap.add_argument("--verify-sweep", action="store_true",
+                    help="batch-1 verify-16 attention over --sweep-contexts: q block x fused "
+                         "merge x split length x KV tile, in the runner's grid")
     ap.add_argument("--sweep-align", type=int, default=128,
                     help="split lengths of the sweep are multiples of this (>= 32)")
     ap.add_argument("--min-split", type=int, nargs="*", default=[],
@@ -448,6 +491,16 @@ def main():
                     lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
                                  f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
                                  f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
+
+    if args.verify_sweep:
+        lines += ["", "| verify b1 ctx | tokens/split | BLOCK_Q | fused merge | BLOCK_N | "
+                  "us/layer | x floor |", "|---|---|---|---|---|---|---|"]
+        for ctx in args.sweep_contexts:
+            for r in verify_b1_sweep(ctx, bw):
+                res.setdefault("verify_sweep", []).append(r)
+                lines.append(f"| {ctx} | {r['tokens_per_split']} | {r['block_q']} | "
+                             f"{r['fused']} | {r['block_n']} | {r['us']:.1f} | "
+                             f"{r['us'] / r['floor_us']:.2f} |")
 
     if args.batch_sweep:
         lines += ["", "| batch | ctx | splits (runner's) | BLOCK_N | maxnreg | us/layer | "
