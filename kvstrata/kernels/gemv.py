@@ -32,6 +32,7 @@ from .layer_ops import silu_mul_merged
 try:
     import triton
     import triton.language as tl
+    from .layer_ops import silu_mul_rounded  # noqa: F401 - in the kernel
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
@@ -160,9 +161,7 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         if GATED:
             # silu(gate) * up, each rounded as the separate product and silu_mul_merged round
-            gate = acc.to(dt).to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            acc = silu * acc_u.to(dt).to(tl.float32)
+            acc = silu_mul_rounded(acc.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), dt)
         if ADD_NORM:
             # h = residual + product and g * h, rounded as add_rms_norm rounds them
             hn = (res.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)

@@ -200,6 +200,14 @@ if triton is not None:
             tl.store(kb + HALF, o2, mask=is_k)
 
     @triton.jit
+    def silu_mul_rounded(g, u, dt: tl.constexpr):
+        """``silu(g) * u`` in float32 from float32 ``g``, ``u``, with ``silu(g)`` rounded to
+        ``dt`` first: the rounding of torch's ``F.silu(g) * u`` in ``dt``, shared by the SiLU
+        kernels here and the gated product's epilogue (kernels/gemv.py), which must agree bit
+        for bit."""
+        return (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+
+    @triton.jit
     def _silu_mul_merged_kernel(x_ptr, out_ptr, n, s_x, s_o, BLOCK: tl.constexpr,
                                 PDL: tl.constexpr):
         if PDL:
@@ -211,8 +219,7 @@ if triton is not None:
         g = tl.load(x_ptr + t * s_x + c, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * s_x + n + c, mask=ok, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(out_ptr + t * s_o + c, (s * u).to(dt), mask=ok)
+        tl.store(out_ptr + t * s_o + c, silu_mul_rounded(g, u, dt).to(dt), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -221,8 +228,7 @@ if triton is not None:
         g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(out_ptr + offs, (s * u).to(dt), mask=ok)
+        tl.store(out_ptr + offs, silu_mul_rounded(g, u, dt).to(dt), mask=ok)
 
 
 def _use_triton(x: Tensor, impl: str) -> bool:
