@@ -222,6 +222,12 @@ class Detokenizer:
     Text is emitted only once it is stable: a window of ids is decoded with the ids before it as
     context (so leading spaces of BPE / SentencePiece pieces survive), and a trailing U+FFFD (an
     incomplete UTF-8 sequence) is held back until the next id completes it or :meth:`flush`.
+
+    With the byte tokenizer an ASCII id pushed while nothing is held back skips both decodes: a
+    byte below 0x80 never continues a UTF-8 sequence, so for any bytes ``b`` and ASCII byte ``a``,
+    ``(b + a).decode(errors="replace") == b.decode(errors="replace") + chr(a)`` and the window
+    decode would emit exactly ``chr(a)`` (tests/runtime/test_output_text.py pins the two paths
+    to each other). Every other id takes the window decode.
     """
 
     def __init__(self, tokenizer: TextTokenizer):
@@ -229,16 +235,39 @@ class Detokenizer:
         self.ids: list[int] = []
         self._prefix = 0       # ids[_prefix:_read] decode to text already emitted
         self._read = 0
+        self._ascii = type(tokenizer) is ByteTokenizer   # the fast path above applies
 
     def push(self, token_id: int) -> str:
         """Add one id; return the newly stable text (often ``""`` mid-character)."""
-        self.ids.append(int(token_id))
+        token_id = int(token_id)
+        if self._ascii and 0 <= token_id < 0x80 and self._read == len(self.ids):
+            self.ids.append(token_id)
+            self._prefix, self._read = self._read, self._read + 1
+            return chr(token_id)
+        self.ids.append(token_id)
         before = self.tok.decode(self.ids[self._prefix:self._read])
         now = self.tok.decode(self.ids[self._prefix:])
         if now.endswith("\ufffd") or len(now) < len(before):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return now[len(before):]
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Add several ids; return what :meth:`push` would return for each, joined. With the
+        byte tokenizer, ASCII ids and nothing held back (a step of ASCII text, the common case),
+        that is one ``bytes`` call."""
+        # A list only: ``bytes()`` of an array would copy its buffer, not its values.
+        if self._ascii and self._read == len(self.ids) and isinstance(token_ids, list):
+            try:
+                data = bytes(token_ids)
+            except (TypeError, ValueError):      # an id outside 0..255 (or not an int)
+                data = None
+            if data is not None and data.isascii():
+                if data:
+                    self.ids += data
+                    self._prefix, self._read = len(self.ids) - 1, len(self.ids)
+                return data.decode("ascii")
+        return "".join([self.push(t) for t in token_ids])
 
     def flush(self) -> str:
         """The held-back tail (decoded with replacement characters)."""

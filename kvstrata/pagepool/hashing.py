@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -20,6 +22,8 @@ from .spec import LAYOUT_VERSION, KVGroupSpec, check_groups, check_page_size
 
 HASH_BYTES = 16
 _TOKEN_DTYPE = np.dtype("<i8")
+# ``array("q")`` holds native int64s: the bytes of ``_TOKEN_DTYPE`` on a little-endian host.
+_NATIVE_INT64_IS_TOKEN_DTYPE = sys.byteorder == "little" and array("q").itemsize == 8
 
 
 def blake2b_128(data: bytes | memoryview) -> bytes:
@@ -129,6 +133,18 @@ def namespace_differences(mine: Mapping[str, Any], theirs: Mapping[str, Any],
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Little-endian int64 bytes of a token list; refuses negative ids."""
+    if _NATIVE_INT64_IS_TOKEN_DTYPE and isinstance(token_ids, (list, tuple)):
+        # A list of ints (every page a sequence commits) goes through ``array``: numpy's
+        # conversion and reduction cost ~20 us a page in the engine loop, this ~1 us. Anything
+        # else (floats, nested lists, ids past int64) takes numpy's path and its errors.
+        try:
+            packed = array("q", token_ids)
+        except (TypeError, OverflowError):
+            packed = None
+        if packed is not None:
+            if packed and min(packed) < 0:
+                raise ValueError(f"token ids must be non-negative, got {min(packed)}")
+            return packed.tobytes()
     arr = np.asarray(token_ids, dtype=_TOKEN_DTYPE)
     if arr.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")

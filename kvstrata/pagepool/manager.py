@@ -251,24 +251,25 @@ class KVCacheManager:
         Returns the hashes of the newly full pages.
         """
         seq = self._seq(seq_id, "commit")
-        n_new = len(seq.token_ids) + len(new_token_ids)
-        if n_new > len(seq.page_ids) * self.page_size:
+        P = self.pool.page_size
+        toks = seq.token_ids
+        n_new = len(toks) + len(new_token_ids)
+        if n_new > len(seq.page_ids) * P:
             raise ValueError(f"sequence {seq_id!r}: committing up to {n_new} tokens but only "
                              f"{len(seq.page_ids)} pages are reserved")
-        seq.token_ids.extend(int(t) for t in new_token_ids)
+        toks += map(int, new_token_ids)
         # Only the pages that filled now are hashed: the tail after the last hashed page is
         # shorter than a page plus this commit, so a step's cost does not grow with the
         # sequence (the chain's parent is the last hash).
         start = len(seq.hashes)
-        P = self.page_size
-        if len(seq.token_ids) < (start + 1) * P:
+        if n_new < (start + 1) * P:
             return []       # no page filled (most decode steps)
         parent = seq.hashes[-1] if seq.hashes else seq.namespace.digest
-        new_hashes = chain_hashes(parent, seq.token_ids[start * P:], P)
+        new_hashes = chain_hashes(parent, toks[start * P:], P)
         for i, h in enumerate(new_hashes, start):
-            par = seq.hashes[-1] if seq.hashes else seq.namespace.digest
-            self.pool.set_hash(seq.page_ids[i], h, par, seq.token_ids[i * P:(i + 1) * P])
+            self.pool.set_hash(seq.page_ids[i], h, parent, toks[i * P:(i + 1) * P])
             seq.hashes.append(h)
+            parent = h
         return new_hashes
 
     def free(self, seq_id: object) -> None:

@@ -55,7 +55,10 @@ class Request:
     seq_id: tuple | None = None     # the manager's sequence id (unique across generate calls)
     stop_ids: frozenset = frozenset()
     detok: Detokenizer | None = None
-    text: str = ""                  # output text so far (stop strings cut off)
+    # Output text so far (stop strings cut off): ``text`` joins the pieces appended since it was
+    # last read, so appending costs the new text only, never a copy of all the text before it.
+    _text: str = field(default="", init=False, repr=False)
+    _pieces: list[str] = field(default_factory=list, init=False, repr=False)
     resume_to: int = 0              # PREEMPTED: tokens to recompute before decoding resumes
     admit_order: int = 0            # admission counter (preemption takes the newest)
     num_preemptions: int = 0
@@ -80,40 +83,93 @@ class Request:
         """Verify positions this step (the reference shortens the last block to fit)."""
         return min(block_size, self.max_length - self.num_computed)
 
+    @property
+    def text(self) -> str:
+        """Output text so far (a stop string cut off; a partial character held back)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+        self._pieces.clear()
+
     def append(self, new: list[int]) -> int:
         """Append generated tokens up to the first that ends the request; returns how many were
-        appended. Finishes on a stop id or string (after ``min_tokens``) or at ``max_length``."""
-        sp = self.params
-        for j, t in enumerate(new):
-            self.tokens.append(t)
-            before = len(self.text)
-            if self.detok is not None:
-                self.text += self.detok.push(t)
-            g = self.num_generated
-            if t in self.stop_ids and g > sp.min_tokens:
-                self.finish("stop")
-                return j + 1
-            if sp.stop and g >= sp.min_tokens and self._cut_stop_string(before):
-                self.finish("stop")
-                return j + 1
+        appended. Finishes on a stop id or string (after ``min_tokens``) or at ``max_length``.
+
+        Without stop strings the text matters only once the tokens are in, so they go in at once
+        (the detokenizer's :meth:`~kvstrata.tokenizer.Detokenizer.extend`); stop strings are
+        looked for after every token (:meth:`_append_each`).
+        """
+        if self.params.stop:
+            return self._append_each(new)
+        stop = 0 if self.stop_ids.isdisjoint(new) else self._stop_id_at(new)
+        take = new[:stop] if stop else new
+        self.tokens += take
+        if self.detok is not None:
+            self._pieces.append(self.detok.extend(take))
+        if stop:
+            self.finish("stop")
+            return stop
         if len(self.tokens) >= self.max_length:
             self.finish("length")
         return len(new)
 
-    def _cut_stop_string(self, before: int) -> bool:
-        """Cut the text at the first stop string that this token's text completed."""
-        cut = [i for i in (self.text.find(s, max(0, before - len(s) + 1))
-                           for s in self.params.stop) if i >= 0]
-        if not cut:
-            return False
-        self.text = self.text[:min(cut)]
-        return True
+    def _stop_id_at(self, new: list[int]) -> int:
+        """How many of ``new`` go in up to the first stop id past ``min_tokens`` (0: none)."""
+        g = len(self.tokens) - len(self.prompt)
+        for j, t in enumerate(new, 1):
+            if t in self.stop_ids and g + j > self.params.min_tokens:
+                return j
+        return 0
+
+    def _append_each(self, new: list[int]) -> int:
+        """:meth:`append` token by token, looking for stop strings in the text each token adds.
+
+        A stop string completed by this token starts at most ``len(stop) - 1`` characters before
+        its text, so the search runs over ``window``: the last ``max(len(stop)) - 1`` characters
+        before it plus its text (at any output length, a token costs the same).
+        """
+        sp = self.params
+        keep = max(map(len, sp.stop)) - 1
+        text = self.text
+        tail = text[max(0, len(text) - keep):]
+        for j, t in enumerate(new, 1):
+            self.tokens.append(t)
+            piece = self.detok.push(t) if self.detok is not None else ""
+            self._pieces.append(piece)
+            g = len(self.tokens) - len(self.prompt)
+            if t in self.stop_ids and g > sp.min_tokens:
+                self.finish("stop")
+                return j
+            window = tail + piece
+            if g >= sp.min_tokens:
+                cut = _find_stop(window, len(tail), sp.stop)
+                if cut >= 0:
+                    text = self.text
+                    self.text = text[:len(text) - len(window) + cut]
+                    self.finish("stop")
+                    return j
+            tail = window[max(0, len(window) - keep):]
+        if len(self.tokens) >= self.max_length:
+            self.finish("length")
+        return len(new)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.detok is not None and reason != "stop":
-            self.text += self.detok.flush()
+            self._pieces.append(self.detok.flush())
         self.state, self.finish_reason, self.t_done = DONE, reason, time.perf_counter()
         self.error = error
+
+
+def _find_stop(text: str, before: int, stops: tuple[str, ...]) -> int:
+    """Where ``text`` is cut: the start of the first stop string that ends past
+    ``text[:before]`` (one the text after ``before`` completed); -1: none."""
+    cut = [i for i in (text.find(s, max(0, before - len(s) + 1)) for s in stops) if i >= 0]
+    return min(cut) if cut else -1
 
 
 @dataclass(slots=True)

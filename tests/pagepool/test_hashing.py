@@ -4,13 +4,14 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.pagepool import (LAYOUT_VERSION, KVGroupSpec, Namespace, hash_page,
-                               namespace_differences, page_hashes)
+                               namespace_differences, page_hashes, tokens_to_bytes)
 
 G = (KVGroupSpec("target", 2, 2, 64, "bf16", "nvfp4"), KVGroupSpec("draft", 1, 2, 64, "bf16", "lossless"))
 NS = Namespace("qwen3-tiny@1", G, 4, drafter="dflash-tiny@1")
@@ -53,6 +54,25 @@ def test_only_full_pages_and_chain(tokens):
     # incremental hashing from a page boundary gives the same chain
     if len(hs) >= 2:
         assert page_hashes(NS, tokens, start_page=1, parent=hs[0]) == hs[1:]
+
+
+@given(st.lists(st.integers(0, 2**63 - 1), max_size=40))
+def test_token_bytes_of_lists_are_numpys_little_endian_int64(tokens):
+    # Lists and tuples of ints take the ``array`` path; arrays keep numpy's: same bytes.
+    want = np.asarray(tokens, dtype="<i8").tobytes()
+    assert tokens_to_bytes(tokens) == tokens_to_bytes(tuple(tokens)) == want
+    assert tokens_to_bytes(np.asarray(tokens, dtype=np.int64)) == want
+
+
+def test_token_bytes_of_odd_lists_behave_as_numpy_did():
+    want = np.asarray([1, 2, 1], dtype="<i8").tobytes()
+    assert tokens_to_bytes([np.int64(1), np.int32(2), True]) == want
+    assert tokens_to_bytes([1.0, 2.0, 1.5]) == want            # numpy truncates floats
+    for bad in ([3, -2], np.array([3, -2])):
+        with pytest.raises(ValueError, match="non-negative, got -2"):
+            tokens_to_bytes(bad)
+    with pytest.raises(OverflowError):
+        tokens_to_bytes([2**63])
 
 
 @given(st.lists(st.integers(0, 1000), min_size=4, max_size=24), st.data())

@@ -59,7 +59,10 @@ def test_incremental_commit_hashes_equal_hashing_from_scratch():
         done += len(chunk)
     want = page_hashes(mgr.namespace, toks)
     assert got == want == mgr.seqs["s"].hashes
-    assert [pool.info(p).hash for p in mgr.seqs["s"].page_ids[:len(want)]] == want
+    infos = [pool.info(p) for p in mgr.seqs["s"].page_ids[:len(want)]]
+    assert [i.hash for i in infos] == want
+    assert [i.parent_hash for i in infos] == [mgr.namespace.digest] + want[:-1]
+    assert [list(i.token_ids) for i in infos] == [toks[i * P:(i + 1) * P] for i in range(len(want))]
 
 
 def test_commit_past_reserved_pages_is_refused():
