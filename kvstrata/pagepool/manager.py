@@ -228,10 +228,10 @@ class KVCacheManager:
         ``ValueError`` when no pool of this size ever could.
         """
         seq = self._seq(seq_id, "reserve")
+        if num_tokens <= len(seq.page_ids) * self.pool.page_size:
+            return []       # already reserved (most decode steps); within the pool's limit
         self._check_length(num_tokens)
         need = math.ceil(num_tokens / self.page_size) - len(seq.page_ids)
-        if need <= 0:
-            return []
         new = self.pool.allocate(need)
         seq.page_ids.extend(new)
         return new

@@ -209,6 +209,8 @@ class Scheduler:
             n = r.block_len(self.block_size)
             decode.append((r, n))
             budget -= n
+        if len(decode) == len(self.running):
+            return StepPlan(decode, prefill)    # all of them generate and verify: nothing moves
         # Scheduled generators move to the back, so those left out this step go first next.
         chosen = {id(r) for r, _ in decode}
         self.running = deque([r for r in self.running if id(r) not in chosen] +

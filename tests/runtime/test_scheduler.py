@@ -27,6 +27,19 @@ def test_generators_first_within_budget_then_rotated():
     assert [r.request_id for r, _ in p2.decode] == ["c", "a"]
 
 
+def test_rotation_when_every_generator_is_scheduled():
+    s = Scheduler(max_batch_size=8, token_budget=64, block_size=4)
+    a, b, c = _req("a"), _req("b"), _req("c")
+    s.running.extend([a, b, c])
+    assert [r.request_id for r, _ in s.schedule().decode] == ["a", "b", "c"]
+    assert list(s.running) == [a, b, c]
+    # A prompt behind them: the scheduled generators still move behind it.
+    p = _req("p", state=PREFILL, computed=0)
+    s.running.append(p)
+    plan = s.schedule()
+    assert list(s.running) == [p, a, b, c] and [(r, n) for r, n in plan.prefill] == [(p, 10)]
+
+
 def test_prefill_chunks_fill_what_is_left():
     s = Scheduler(max_batch_size=8, token_budget=9, block_size=4)
     g = _req("g")
