@@ -481,37 +481,35 @@ def main():
               f"floor {a['floor_us']:.1f} us (fused x floor "
               f"{a['fused_us'] / a['floor_us']:.2f}); fused by BLOCK_N/stages/warps: "
               + ", ".join(f"{k} {v:.1f}" for k, v in a["tiles"].items()), flush=True)
+    def table(key, header, rows, cells):
+        """A sweep's markdown table: ``header`` cells, then ``cells(r)`` of each row (also kept
+        in the JSON under ``key``)."""
+        lines.extend(["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)])
+        for r in rows:
+            res.setdefault(key, []).append(r)
+            lines.append("| " + " | ".join(str(c) for c in cells(r)) + " |")
+
     if args.sweep:
-        lines += ["", "| sweep ctx | q | splits | tokens/split | BLOCK_N | stages | grid | "
-                  "us/layer | x floor |", "|---|---|---|---|---|---|---|---|---|"]
-        for ctx in args.sweep_contexts:
-            for q_len in (1, 16):
-                for r in split_sweep(ctx, q_len, bw, align=args.sweep_align):
-                    res.setdefault("split_sweep", []).append(r)
-                    lines.append(f"| {ctx} | {q_len} | {r['splits']} | {r['tokens_per_split']} "
-                                 f"| {r['block_n']} | {r['stages']} | {r['grid']} | "
-                                 f"{r['us']:.1f} | {r['us'] / r['floor_us']:.2f} |")
-
+        table("split_sweep", ["sweep ctx", "q", "splits", "tokens/split", "BLOCK_N", "stages",
+                              "grid", "us/layer", "x floor"],
+              (r for ctx in args.sweep_contexts for q_len in (1, 16)
+               for r in split_sweep(ctx, q_len, bw, align=args.sweep_align)),
+              lambda r: (r["ctx"], r["q"], r["splits"], r["tokens_per_split"], r["block_n"],
+                         r["stages"], r["grid"], f"{r['us']:.1f}",
+                         f"{r['us'] / r['floor_us']:.2f}"))
     if args.verify_sweep:
-        lines += ["", "| verify b1 ctx | tokens/split | BLOCK_Q | fused merge | BLOCK_N | "
-                  "us/layer | x floor |", "|---|---|---|---|---|---|---|"]
-        for ctx in args.sweep_contexts:
-            for r in verify_b1_sweep(ctx, bw):
-                res.setdefault("verify_sweep", []).append(r)
-                lines.append(f"| {ctx} | {r['tokens_per_split']} | {r['block_q']} | "
-                             f"{r['fused']} | {r['block_n']} | {r['us']:.1f} | "
-                             f"{r['us'] / r['floor_us']:.2f} |")
-
+        table("verify_sweep", ["verify b1 ctx", "tokens/split", "BLOCK_Q", "fused merge",
+                               "BLOCK_N", "us/layer", "x floor"],
+              (r for ctx in args.sweep_contexts for r in verify_b1_sweep(ctx, bw)),
+              lambda r: (r["ctx"], r["tokens_per_split"], r["block_q"], r["fused"],
+                         r["block_n"], f"{r['us']:.1f}", f"{r['us'] / r['floor_us']:.2f}"))
     if args.batch_sweep:
-        lines += ["", "| batch | ctx | splits (runner's) | BLOCK_N | maxnreg | us/layer | "
-                  "x floor |", "|---|---|---|---|---|---|---|"]
-        for b in args.batch_sweep:
-            for ctx in args.sweep_contexts:
-                for r in batch_attn_sweep(b, ctx, bw):
-                    res.setdefault("batch_sweep", []).append(r)
-                    lines.append(f"| {b} | {ctx} | {r['splits']} ({r['chosen']}) | "
-                                 f"{r['block_n']} | {r['maxnreg']} | {r['us']:.1f} | "
-                                 f"{r['us'] / r['floor_us']:.2f} |")
+        table("batch_sweep", ["batch", "ctx", "splits (runner's)", "BLOCK_N", "maxnreg",
+                              "us/layer", "x floor"],
+              (r for b in args.batch_sweep for ctx in args.sweep_contexts
+               for r in batch_attn_sweep(b, ctx, bw)),
+              lambda r: (r["batch"], r["ctx"], f"{r['splits']} ({r['chosen']})", r["block_n"],
+                         r["maxnreg"], f"{r['us']:.1f}", f"{r['us'] / r['floor_us']:.2f}"))
 
     if args.batches:
         flops = matmul_rate()
