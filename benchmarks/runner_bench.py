@@ -118,6 +118,30 @@ class Bench:
             self.step()
         return (time.perf_counter() - t) / n * 1e3
 
+    def overlapped_ms(self, n: int) -> float:
+        """Steps as the engine overlaps them: step N + 1 launched from step N's output on the
+        device (pages reserved two blocks ahead) before step N's tokens are collected and
+        committed."""
+        run, B, keys = self.llm.runner, self.B, self.keys
+        rows, lim = list(range(len(keys))), [self.llm.max_seq_len] * len(keys)
+
+        def one(h):
+            for k in keys:
+                self.llm.mgr.reserve(k, self.start[k] + 2 * B)
+            nxt = run.launch_next(h, rows, keys, lim)
+            self.commit(run.collect(h))
+            return nxt
+
+        h = one(run.launch(self.items()))
+        torch.cuda.synchronize()
+        # From an idle device: n steps launched, the last one collected inside the window.
+        t = time.perf_counter()
+        for _ in range(n):
+            h = one(h)
+        self.commit(run.collect(h))
+        dt = time.perf_counter() - t
+        return dt / n * 1e3
+
     def graph_ms(self, name: str, reps: int) -> float:
         run = self.llm.runner
         items = self.items()
@@ -329,38 +353,44 @@ def batch_attn_sweep(b: int, ctx: int, bw: float, q_len: int = 16, layers: int =
     return rows
 
 
-def shipped_e2e(lines: list[str], res: dict) -> None:
-    """Tokens/s of the shipped trained pair, speculative vs plain, graphs on and off."""
+def shipped_e2e(lines: list[str], res: dict, rounds: int = 2) -> None:
+    """Tokens/s of the shipped trained pair, speculative vs plain, graphs on (overlapped steps
+    on and off) and off; ``rounds`` rounds of every setting, alternating, in this process."""
     from kvstrata.assets.corpus import heldout_prompts
-    lines += ["", "| shipped pair | batch | graphs | new tokens | tokens/s | AL | graph / decode "
-              "/ general steps (both runs) |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| shipped pair | batch | graphs | overlap | round | new tokens | tokens/s | AL "
+              "| graph / decode / general steps (both runs) |", "|---" * 9 + "|"]
+    settings = [(True, True), (True, False), (False, True)]
     for b in (1, 16):
         prompts = heldout_prompts(b, 256, seed=0)
         sp = SamplingParams(max_tokens=256)
-        for mode in ("plain", "speculative"):
-            for graphs in (True, False):
-                cache = CacheConfig(page_size=16, max_seq_len=1024, max_batch_size=b,
-                                    target_codec="identity", draft_codec="identity")
-                llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py" if mode != "plain" else None,
-                          cache, device="cuda", runner=RunnerConfig(cuda_graphs=graphs))
-                # The same workload once untimed: every kernel shape it meets (prefill chunks,
-                # shortened last blocks) is compiled before the timed run.
-                llm.generate(prompts, sp, cache_salt="warm")
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                outs = llm.generate(prompts, sp, cache_salt=f"{mode}-{graphs}")
-                dt = time.perf_counter() - t
-                n = sum(len(o.token_ids) for o in outs)
-                als = [a for o in outs for a in o.acceptance_lengths]
-                al = sum(als) / len(als)
-                st = llm.runner.stats()
-                res.setdefault("e2e", []).append(dict(mode=mode, batch=b, graphs=graphs,
-                                                      tokens=n, tok_s=n / dt, al=al, **st))
-                lines.append(f"| {mode} | {b} | {'on' if graphs else 'off'} | {n} | "
-                             f"{n / dt:.0f} | {al:.2f} | {st['graph_steps']} / "
-                             f"{st['decode_steps']} / {st['general_steps']} |")
-                print(lines[-1], flush=True)
-                del llm
+        for rnd in range(rounds):
+            for mode in ("plain", "speculative"):
+                for graphs, overlap in settings:
+                    cache = CacheConfig(page_size=16, max_seq_len=1024, max_batch_size=b,
+                                        target_codec="identity", draft_codec="identity")
+                    llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py" if mode != "plain" else None,
+                              cache, device="cuda",
+                              runner=RunnerConfig(cuda_graphs=graphs, overlap=overlap))
+                    # The same workload once untimed: every kernel shape it meets (prefill
+                    # chunks, shortened last blocks) is compiled before the timed run.
+                    llm.generate(prompts, sp, cache_salt="warm")
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    outs = llm.generate(prompts, sp, cache_salt=f"{mode}-{graphs}-{overlap}")
+                    dt = time.perf_counter() - t
+                    n = sum(len(o.token_ids) for o in outs)
+                    als = [a for o in outs for a in o.acceptance_lengths]
+                    al = sum(als) / len(als)
+                    st = llm.runner.stats()
+                    res.setdefault("e2e", []).append(dict(mode=mode, batch=b, graphs=graphs,
+                                                          overlap=overlap, round=rnd, tokens=n,
+                                                          tok_s=n / dt, al=al, **st))
+                    lines.append(f"| {mode} | {b} | {'on' if graphs else 'off'} | "
+                                 f"{'on' if overlap else 'off'} | {rnd + 1} | {n} | "
+                                 f"{n / dt:.0f} | {al:.2f} | {st['graph_steps']} / "
+                                 f"{st['decode_steps']} / {st['general_steps']} |")
+                    print(lines[-1], flush=True)
+                    del llm
 
 
 def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
@@ -411,6 +441,8 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                 llm.runner.use_graphs = True
                 name = f"{mode} decode step" if d is None else "speculative step"
                 row(name, b, ctx, ms, eager, floor, compute)
+                row(f"{name}, overlapped", b, ctx, bench.overlapped_ms(args.steps), None, floor,
+                    compute)
                 if b == 1:
                     default = llm.runner.min_split_tokens
                     for m in args.min_split:

@@ -200,27 +200,22 @@ def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -
 
 def host_breakdown(bench, title: str, lines: list[str], steps: int = 20) -> None:
     """Host time of each part of a speculative step as ``Bench.step`` runs it (``perf_counter``
-    around each call; the fetch includes the wait for the device)."""
-    run, B = bench.llm.runner, bench.B
+    around each call; the collect includes the wait for the device)."""
+    run = bench.llm.runner
     parts = defaultdict(float)
     for rep in range(steps + 2):
         t = [time.perf_counter()]
         items = bench.items()
-        b = len(items)
         t.append(time.perf_counter())
-        run._stage(items, b)
+        h = run.launch(items)
         t.append(time.perf_counter())
-        run.graphs[("draft", b)].replay()
+        rows = run.collect(h)
         t.append(time.perf_counter())
-        run.graphs[("verify", b)].replay()
-        t.append(time.perf_counter())
-        rows = run._fetch(b)[:b].tolist()
-        t.append(time.perf_counter())
-        bench.commit([r[:r[B]] for r in rows])
+        bench.commit(rows)
         t.append(time.perf_counter())
         if rep >= 2:
-            for name, a, z in zip(("items", "stage", "draft replay call", "verify replay call",
-                                   "fetch (waits)", "tokens + commit"), t, t[1:]):
+            for name, a, z in zip(("items", "launch (stage + replay calls)",
+                                   "collect (waits)", "commit"), t, t[1:]):
                 parts[name] += (z - a) / steps * 1e6
     lines += ["", f"### {title}: host time per step part (us)", "",
               "| " + " | ".join(parts) + " |", "|---" * len(parts) + "|",

@@ -10,6 +10,15 @@ One step (see DESIGN.md, "Runtime"):
    the accepted rows; CUDA graphs for pure decode steps; one device->host copy of the tokens;
 5. on the host: stop ids/strings, ``min_tokens``, lengths; then ``commit`` the tokens (hashing
    pages that became full: only now are both groups of those tokens written).
+
+Overlapped steps (``RunnerConfig.overlap``, on by default on CUDA): while every running request
+decodes greedily on the runner's decode path and nothing waits to be admitted, the core launches
+step N + 1 before it reads step N's tokens (``ModelRunner.launch_next`` continues each sequence
+from step N's output on the device; pages are reserved two blocks ahead), then does step N's
+host work (5.) while the device computes step N + 1. A request that finishes in step N still
+has a row in step N + 1: that row is dropped, and its pages are freed only once step N + 1 is
+collected (``_release`` defers them). Anything else (admission, prefill, preemption, sampling,
+``prefill``/``resume``, ``close``) first drains the step in flight.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ import itertools
 import logging
 import math
 import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -25,12 +36,27 @@ import torch
 from ..tokenizer import Detokenizer
 from ..pagepool.pool import OutOfPagesError
 from .outputs import RequestDelta, RequestOutput
+from .runner import Launched
 from .step import StepItem
 from .sampling import SamplingParams
 from .scheduler import (DECODE, DONE, PREEMPTED, PREFILL, PREFILLED, Request, Scheduler,
                         StepPlan)
 
 log = logging.getLogger("kvstrata.runtime")
+
+#: What ``_accept`` reads of a continued decode row's step item.
+_DECODE_ROW = SimpleNamespace(decode=True)
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """A decode step on the device whose tokens the host has not read yet."""
+
+    handle: Launched
+    rows: list[Request]                 # the step's rows, in order
+    sched: Scheduler
+    ids: set = field(default_factory=set)        # id() of each row's request
+    defer: list[Request] = field(default_factory=list)   # finished meanwhile: free after it
 
 
 class EngineCore:
@@ -53,6 +79,7 @@ class EngineCore:
         self._requests: dict[object, Request] = {}
         self._undelivered: list[RequestDelta] = []
         self._closed = False
+        self._flight: _Flight | None = None
         self._counters = {"steps": 0, "draft_s": 0.0, "target_s": 0.0, "step_s": 0.0,
                          "generated_tokens": 0, "prefill_tokens": 0, "verify_tokens": 0,
                          "preemptions": 0, "failed_requests": 0, "aborted_requests": 0}
@@ -98,6 +125,7 @@ class EngineCore:
         if r is None or r.state == DONE:
             return False
         self._abort(self.sched, r)
+        self._settle()
         self._undelivered += self._deliver([r])
         return True
 
@@ -292,6 +320,12 @@ class EngineCore:
             self._counters["aborted_requests" if reason == "abort" else "failed_requests"] += 1
 
     def _release(self, r: Request) -> None:
+        f = self._flight
+        if f is not None and id(r) in f.ids:
+            # A step in flight still writes this sequence's pages: free them once it lands.
+            if all(x is not r for x in f.defer):
+                f.defer.append(r)
+            return
         if r.seq_id is not None and r.seq_id in self.mgr.seqs:
             self.mgr.free(r.seq_id)
             if self.arena is not None:
@@ -333,7 +367,14 @@ class EngineCore:
     # -- one step -------------------------------------------------------------------------------
     def _advance(self, sched: Scheduler, held: list | None = None) -> list[Request]:
         """One step of ``sched``: admit, schedule, reserve (preempting under pressure), run with
-        failures isolated per request, retire. Returns the requests the step touched."""
+        failures isolated per request, retire. Returns the requests the step touched.
+
+        With a decode step in flight (overlapped steps), the step continues it instead, or
+        drains it first when this step cannot continue it on the device."""
+        if self._flight is not None:
+            if self._flight.sched is sched:
+                return self._land(sched, chain=True)
+            self._undelivered += self._deliver(self._drain())
         if not sched.has_work:
             return []
         self._admit(sched)
@@ -347,6 +388,8 @@ class EngineCore:
         for r in touched:
             r.last_al = None
         try:
+            if self._launch(sched, plan):
+                return self._land(sched, chain=True)
             self._step(plan)
         except Exception as e:
             if len(items) == 1:
@@ -371,6 +414,130 @@ class EngineCore:
             self._release(r)
             sched.finished.append(r)
         return touched
+
+    # -- overlapped steps ------------------------------------------------------------------------
+    def _launch(self, sched: Scheduler, plan: StepPlan) -> bool:
+        """Launch ``plan`` as the step in flight when it is a decode-path step of the main
+        scheduler and overlapping is on (``False``: run it the synchronous way)."""
+        if not self.runner.overlap or sched is not self.sched or plan.prefill:
+            return False
+        items = [self._item(r, n, True) for r, n in plan.decode]
+        if not self.runner.decode_ok(items):
+            return False
+        handle = self.runner.launch(items)
+        rows = [r for r, _ in plan.decode]
+        self._flight = _Flight(handle, rows, sched, {id(r) for r in rows})
+        return True
+
+    def _continuable(self, sched: Scheduler, f: _Flight) -> bool:
+        """Whether the next step can be launched from ``f``'s output on the device: the same
+        requests all still decode greedily on the decode path (no ``min_tokens`` masking), none
+        waits for a free seat, and every row's pages for two more blocks are free now (no
+        preemption while a step is in flight)."""
+        if not self.runner.overlap or sched is not self.sched:
+            return False
+        if sched.waiting and sched.free_seats() > 0:
+            return False
+        live = [r for r in f.rows if r.state == DECODE]
+        B = self.block_size
+        if not live or len(live) != len(sched.running) or len(live) > sched.budget // B:
+            return False
+        for r in live:
+            if not r.params.greedy or (r.stop_ids and r.params.min_tokens > r.num_generated):
+                return False
+        try:
+            for r in live:
+                self.mgr.reserve(r.seq_id, min(r.max_length, r.num_computed + 2 * B))
+        except OutOfPagesError:
+            return False
+        return True
+
+    def _land(self, sched: Scheduler, chain: bool) -> list[Request]:
+        """Collect the step in flight and do its host work (acceptance, commit, retirement);
+        with ``chain``, first launch the step that continues it when possible. Returns the
+        requests whose tokens landed."""
+        t0 = time.perf_counter()
+        f = self._flight
+        nxt = None
+        try:
+            if chain and self._continuable(sched, f):
+                keep = [(i, r) for i, r in enumerate(f.rows) if r.state == DECODE]
+                rows = [r for _, r in keep]
+                handle = self.runner.launch_next(f.handle, [i for i, _ in keep],
+                                                 [r.seq_id for r in rows],
+                                                 [r.max_length for r in rows])
+                nxt = _Flight(handle, rows, sched, {id(r) for r in rows})
+            produced = self.runner.collect(f.handle)
+        except Exception as e:
+            log.warning("decode step failed in flight: %s: %s", type(e).__name__, e)
+            self._abandon(sched, e, nxt)
+            return list(f.rows)
+        except BaseException as e:
+            self._abandon(sched, e, nxt)
+            raise
+        self._flight = nxt
+        landed = [(r, new) for r, new in zip(f.rows, produced) if r.state == DECODE]
+        B = self.block_size
+        scheduled = [(r, r.block_len(B)) for r, _ in landed]
+        for r, _ in landed:
+            r.last_al = None
+        try:
+            self._accept(scheduled, [_DECODE_ROW] * len(landed), [new for _, new in landed])
+        except BaseException as e:
+            self._flight = f
+            self._abandon(sched, e, nxt)
+            if not isinstance(e, Exception):
+                raise
+            return [r for r, _ in landed]
+        c = self._counters
+        c["steps"] += 1
+        c["draft_s"] = self.runner.timing.draft_s
+        c["target_s"] = self.runner.timing.target_s
+        for r in f.defer:
+            self._release(r)
+        for r in sched.retire():
+            self._release(r)        # deferred while the next step holds its row
+            sched.finished.append(r)
+        if nxt is not None and all(r.state != DECODE for r in nxt.rows):
+            self._abandon(sched)    # every row of the next step finished: nothing to land
+        c["step_s"] += time.perf_counter() - t0
+        return [r for r, _ in landed]
+
+    def _drain(self) -> list[Request]:
+        """Land the step in flight, launching nothing after it (before any other kind of step,
+        ``prefill``/``resume`` and ``close``). Returns the requests whose tokens landed."""
+        f = self._flight
+        return self._land(f.sched, chain=False) if f is not None else []
+
+    def _abandon(self, sched: Scheduler, error: BaseException | None = None,
+                 nxt: _Flight | None = None) -> None:
+        """Wait for the step in flight (and ``nxt``, one launched after it) without using their
+        tokens, then free what they held. With ``error`` (the host or the device failed
+        mid-flight), their unfinished requests fail with it (or are aborted, for
+        ``KeyboardInterrupt`` and the like)."""
+        flights = [x for x in (self._flight, nxt) if x is not None]
+        self._flight = None
+        for f in flights:
+            try:
+                self.runner.collect(f.handle)
+            except Exception:   # noqa: BLE001 - the device failed: its pages are freed anyway
+                pass
+        for f in flights:
+            for r in f.rows:
+                if error is not None and r.state != DONE:
+                    if isinstance(error, Exception):
+                        self._fail(sched, r, error)
+                    else:
+                        self._abort(sched, r)
+            for r in f.defer + [r for r in f.rows if r.state == DONE]:
+                self._release(r)
+
+    def _settle(self) -> None:
+        """After an abort: a step in flight whose every row finished is waited for and its
+        pages freed (nothing else would land it)."""
+        f = self._flight
+        if f is not None and all(r.state == DONE for r in f.rows):
+            self._abandon(f.sched)
 
     def _fail(self, sched: Scheduler, r: Request, e: BaseException) -> None:
         log.warning("request %s failed: %s: %s", r.request_id, type(e).__name__, e)

@@ -185,6 +185,7 @@ class LLM(EngineCore):
             return
         for request_id in [k for k, r in self._requests.items() if r.state != DONE]:
             self.abort(request_id)
+        self._abandon(self.sched)
         self._requests.clear()
         self._closed = True
         if self.tiers is not None:
@@ -237,6 +238,7 @@ class LLM(EngineCore):
                 if r.state != DONE:
                     self._abort(self.sched, r)
                 outs[mine[request_id]] = self._output(r, mine[request_id])
+            self._settle()
         return outs
 
     def prefill(self, prompts: Sequence[Sequence[int]],

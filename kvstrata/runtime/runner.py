@@ -31,10 +31,8 @@ import bisect
 import dataclasses
 import math
 import os
-import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,12 +40,15 @@ from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
 from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
                                       choose_num_splits)
+from ..kernels.step_inputs import assemble_step_inputs
 from .general import GeneralPath
 from .step import StepItem, StepTiming
 
 #: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
 #: (overrides :attr:`RunnerConfig.cuda_graphs`).
 GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
+#: Environment switch of :attr:`RunnerConfig.overlap` (same values).
+OVERLAP_ENV = "KVSTRATA_OVERLAP"
 #: ``min_split_tokens`` is a multiple of this (every kernel tile divides it); so is a step's
 #: split length when a model has sliding-window layers (the kernel's window start needs its
 #: KV tile to divide the split length).
@@ -72,6 +73,12 @@ class RunnerConfig:
             ``KVSTRATA_CUDA_GRAPHS`` environment variable overrides it).
         batch_sizes: the ladder of captured batch sizes (default :func:`default_ladder`); a
             batch runs in the graph of the smallest size that holds it.
+        overlap: let the engine launch a decode step before it has read the previous step's
+            tokens (the device continues each sequence from the previous step's output), so
+            the host's work on step N (stops, text, commit, scheduling) runs while the device
+            computes step N + 1. ``None`` (default): on for CUDA devices, off on the CPU, where
+            nothing runs concurrently and the step launched past a request's end would only
+            cost time. The ``KVSTRATA_OVERLAP`` environment variable overrides it.
         timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
         min_split_tokens: sizes the decode path's split-KV grids (a multiple of 128): the
@@ -84,6 +91,7 @@ class RunnerConfig:
 
     cuda_graphs: bool = True
     batch_sizes: tuple[int, ...] | None = None
+    overlap: bool | None = None
     timing: bool = False
     min_split_tokens: int = MIN_SPLIT_TOKENS
 
@@ -101,19 +109,29 @@ class RunnerConfig:
             object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
 
 
-def graphs_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
-    """Whether this runner captures CUDA graphs (config, then the environment switch)."""
-    want = cfg.cuda_graphs
-    env = os.environ.get(GRAPHS_ENV)
+def _switch(name: str, want: bool) -> bool:
+    """``want``, unless the environment variable ``name`` says on or off."""
+    env = os.environ.get(name)
     if env is not None and env.strip():
         v = env.strip().lower()
         if v in ("0", "false", "off", "no"):
-            want = False
-        elif v in ("1", "true", "on", "yes"):
-            want = True
-        else:
-            raise ValueError(f"{GRAPHS_ENV}={env!r}: use 0/false/off or 1/true/on")
-    return want and device.type == "cuda"
+            return False
+        if v in ("1", "true", "on", "yes"):
+            return True
+        raise ValueError(f"{name}={env!r}: use 0/false/off or 1/true/on")
+    return want
+
+
+def graphs_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
+    """Whether this runner captures CUDA graphs (config, then the environment switch)."""
+    return _switch(GRAPHS_ENV, cfg.cuda_graphs) and device.type == "cuda"
+
+
+def overlap_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
+    """Whether the engine overlaps decode steps (config, default by device, then the
+    environment switch)."""
+    want = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
+    return _switch(OVERLAP_ENV, want)
 
 
 def default_ladder(max_batch: int) -> tuple[int, ...]:
@@ -128,6 +146,15 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
     """The smallest captured size holding ``n`` sequences (``None``: larger than any)."""
     i = bisect.bisect_left(ladder, n)
     return ladder[i] if i < len(ladder) else None
+
+
+@dataclass(slots=True, eq=False)
+class Launched:
+    """A decode step launched on the device (:meth:`ModelRunner.launch`): its padded batch
+    ``b``, its ``n`` rows and its pinned staging slot."""
+    b: int
+    n: int
+    slot: int
 
 
 @dataclass(slots=True)
@@ -173,19 +200,26 @@ class ModelRunner:
         self.max_pages = math.ceil(max_seq_len / P)
         # The arena baseline's private buffers live outside the pool: always the general path.
         self.use_graphs = graphs_enabled(config, dev) and (drafter is None or self.paged)
+        #: the engine may launch a decode step before collecting the previous one
+        #: (:meth:`launch_next`); the arena baseline has no decode path
+        self.overlap = overlap_enabled(config, dev) and (drafter is None or self.paged)
         self.ladder = config.batch_sizes or default_ladder(max_batch_size)
         if self.ladder[-1] < max_batch_size and self.use_graphs:
             self.ladder = tuple(sorted(set(self.ladder) | {max_batch_size}))
         # Persistent device buffers (graphs read these addresses on every replay). ``small``
         # holds, per row, the pending token, the committed length (-1: padding row) and the
-        # block length, then the three plans' split lengths; it travels in one host->device
-        # copy per step. The plans read the block lengths as int32 (``qlen32``).
+        # block length, then the three plans' split lengths; the step's first kernel
+        # (``kernels.step_inputs``) writes it from ``inp`` (per row: the row of the previous
+        # step it continues, or -1, then the host's token, length, block length and length
+        # limit), which travels in one host->device copy per step. The plans read the block
+        # lengths as int32 (``qlen32``).
         mb = max_batch_size
         self._small = torch.zeros(3 * mb + 3, dtype=torch.int64, device=dev)
         self.tok, self.start = self._small[:mb], self._small[mb:2 * mb]
         self.qlen = self._small[2 * mb:3 * mb]
         self.qlen32 = torch.zeros(mb, dtype=torch.int32, device=dev)
         self.split_tokens = self._small[3 * mb:]
+        self._in = torch.zeros(5 * mb, dtype=torch.int64, device=dev)
         self.min_split_tokens = config.min_split_tokens
         windowed = bool(target.config.sliding_windows and any(
             w is not None for w in target.config.sliding_windows)) or (
@@ -197,20 +231,27 @@ class ModelRunner:
         self.out = torch.zeros((mb, B + 1), dtype=torch.int32, device=dev)
         self._offs = torch.arange(B, dtype=torch.int64, device=dev)
         self._qsl = (torch.arange(mb + 1, dtype=torch.int32, device=dev) * B)
+        # Pinned staging, two slots: a launched step's copies may still be queued while the
+        # host stages the next one (overlapped steps).
         pin = dev.type == "cuda"
-        self._h_small = torch.zeros(3 * mb + 3, dtype=torch.int64, pin_memory=pin)
-        self._h_bt = torch.zeros((mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
-        self._h_out = torch.zeros((mb, B + 1), dtype=torch.int32, pin_memory=pin)
-        self._hs, self._hbt, self._ho = (self._h_small.numpy(), self._h_bt.numpy(),
-                                         self._h_out.numpy())
-        # Which sequence's pages each staged block-table row holds, and how many: a live
-        # sequence's page list only grows (KVCacheManager.reserve extends it), so a row that keeps
-        # its sequence gets only its new pages written (8k tokens are 512 pages a row).
-        self._row_seq: list = [None] * mb
-        self._row_pages = [0] * mb
-        self._done = torch.cuda.Event() if dev.type == "cuda" else None
-        self._events = ([torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                        if config.timing and dev.type == "cuda" else None)
+        self._h_in = torch.zeros((2, 5 * mb), dtype=torch.int64, pin_memory=pin)
+        self._h_bt = torch.zeros((2, mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
+        self._h_out = torch.zeros((2, mb, B + 1), dtype=torch.int32, pin_memory=pin)
+        self._his, self._hbts, self._hos = (self._h_in.numpy(), self._h_bt.numpy(),
+                                            self._h_out.numpy())
+        self._hbt = self._hbts[0]         # the last staged slot's block tables
+        # Which sequence's pages each staged block-table row holds, and how many (per slot): a
+        # live sequence's page list only grows (KVCacheManager.reserve extends it), so a row
+        # that keeps its sequence gets only its new pages written (8k tokens are 512 pages).
+        self._row_seq: list[list] = [[None] * mb, [None] * mb]
+        self._row_pages = [[0] * mb, [0] * mb]
+        self._slot = 1
+        self._last: Launched | None = None               # the last launched decode step
+        self._uncollected: list[Launched | None] = [None, None]
+        self._done = ([torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda"
+                      else None)
+        self._events = ([[torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                         for _ in range(2)] if config.timing and dev.type == "cuda" else None)
         self._plans: dict[int, _Plans] = {}
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
@@ -303,6 +344,7 @@ class ModelRunner:
         if self.decode_ok(items):
             return self.decode(items)
         self._stats["general_steps"] += 1
+        self._last = None          # nothing continues a general step on the device
         return self._general(items)
 
     # -- decode path ------------------------------------------------------------------------------
@@ -313,13 +355,70 @@ class ModelRunner:
         ``pad_to`` forces the padded batch size (tests); by default graphs pad to the ladder
         and the eager path runs the exact batch.
         """
-        n = len(items)
+        return self.collect(self.launch(items, pad_to))
+
+    def _batch(self, n: int, pad_to: int | None = None) -> int:
         b = pad_to or (graph_batch_size(self.ladder, n) if self.use_graphs else n)
         if b is None or b < n or b > self.max_batch:
             raise ValueError(f"a batch of {n} sequences does not fit {b} rows (at most "
                              f"{self.max_batch})")
-        self._stage(items, b)
-        ev = self._events
+        return b
+
+    @torch.inference_mode()
+    def launch(self, items: list[StepItem], pad_to: int | None = None) -> Launched:
+        """Start a decode step staged from the host (``items`` must pass :meth:`decode_ok`);
+        :meth:`collect` waits for its tokens. Nothing waits for the device here."""
+        b = self._batch(len(items), pad_to)
+        return self._run(b, len(items), self._stage(items, b))
+
+    @torch.inference_mode()
+    def launch_next(self, prev: Launched, rows: list[int], seq_ids: list,
+                    max_lens: list[int]) -> Launched:
+        """Start the decode step that continues ``prev`` (the last launched step, collected or
+        not) for its rows ``rows``, in that order, before the host has read ``prev``'s tokens:
+        each row's pending token, committed length and block length come from ``prev``'s
+        output on the device (``kernels.step_inputs``). ``seq_ids`` name the rows' sequences,
+        whose pages must already be reserved for two blocks past the host's committed length;
+        ``max_lens`` are their length limits (a row that reaches its limit in ``prev`` runs as
+        padding)."""
+        if prev is not self._last:
+            raise RuntimeError("launch_next continues the last launched decode step only")
+        b = self._batch(len(rows))
+        slot = self._claim_slot()
+        mb, hin = self.max_batch, self._his[slot]
+        n = len(rows)
+        self._stage_tables(seq_ids, slot)
+        hin[:n] = rows
+        hin[4 * mb:4 * mb + n] = max_lens
+        self._stage_padding(hin, n, b)
+        self._copy_in(slot, b)
+        return self._run(b, n, slot)
+
+    def collect(self, h: Launched) -> list[list[int]]:
+        """Wait for a launched step and return, per row, the tokens it produced (accepted drafts
+        + the bonus token). Each launched step is collected once, before the step launched two
+        after it."""
+        if self._uncollected[h.slot] is not h:
+            raise RuntimeError("this decode step was already collected (or never launched)")
+        if self._done is not None:
+            self._done[h.slot].synchronize()
+            if self._events is not None:
+                e = self._events[h.slot]
+                self.timing.draft_s += e[0].elapsed_time(e[1]) / 1e3
+                self.timing.target_s += e[1].elapsed_time(e[2]) / 1e3
+        self._uncollected[h.slot] = None
+        B = self.B
+        return [r[:r[B]] for r in self._hos[h.slot, :h.n].tolist()]
+
+    def _claim_slot(self) -> int:
+        slot = self._slot = self._slot ^ 1
+        if self._uncollected[slot] is not None:
+            raise RuntimeError("collect a launched decode step before launching two more")
+        return slot
+
+    def _run(self, b: int, n: int, slot: int) -> Launched:
+        """Replay (or run) the step's draft and verify, then queue its one D2H copy."""
+        ev = self._events[slot] if self._events is not None else None
         if ev is not None:
             ev[0].record()
         use = self.use_graphs and ("verify", b) in self.graphs
@@ -332,19 +431,41 @@ class ModelRunner:
             ev[2].record()
         self._stats["decode_steps"] += 1
         self._stats["graph_steps"] += int(use)
-        rows = self._fetch(b)[:n].tolist()
-        B = self.B
-        return [r[:r[B]] for r in rows]
+        self._h_out[slot, :b].copy_(self.out[:b], non_blocking=True)
+        if self._done is not None:
+            self._done[slot].record()
+        h = self._last = self._uncollected[slot] = Launched(b, n, slot)
+        return h
 
-    def _stage(self, items: list[StepItem], b: int) -> None:
-        """Host side of a decode step: pending tokens, lengths, block lengths, block tables and
-        split lengths into pinned staging, then two asynchronous copies into the persistent
-        buffers."""
-        mb, hs, hbt = self.max_batch, self._hs, self._hbt
-        seqs, row_seq, row_pages = self.mgr.seqs, self._row_seq, self._row_pages
-        n_items = len(items)
-        for i, it in enumerate(items):
-            seq = seqs[it.seq_id]
+    def _stage(self, items: list[StepItem], b: int) -> int:
+        """Host side of a decode step staged whole: pending tokens, lengths, block lengths and
+        block tables into a pinned slot, then two asynchronous copies into the persistent
+        buffers. Returns the slot."""
+        slot = self._claim_slot()
+        mb, hin = self.max_batch, self._his[slot]
+        n = len(items)
+        self._stage_tables([it.seq_id for it in items], slot)
+        hin[:n] = -1
+        hin[mb:mb + n] = [it.tokens[-1] for it in items]
+        hin[2 * mb:2 * mb + n] = [it.start for it in items]
+        hin[3 * mb:3 * mb + n] = [it.n for it in items]
+        self._stage_padding(hin, n, b)
+        self._copy_in(slot, b)
+        return slot
+
+    def _stage_padding(self, hin, n: int, b: int) -> None:
+        """Rows ``n..b`` of a staged step: padding (slot -1, length 0)."""
+        mb = self.max_batch
+        hin[n:b] = -1
+        hin[mb + n:mb + b] = 0
+        hin[2 * mb + n:2 * mb + b] = -1
+        hin[3 * mb + n:3 * mb + b] = self.B
+
+    def _stage_tables(self, seq_ids: list, slot: int) -> None:
+        seqs, hbt = self.mgr.seqs, self._hbts[slot]
+        row_seq, row_pages = self._row_seq[slot], self._row_pages[slot]
+        for i, sid in enumerate(seq_ids):
+            seq = seqs[sid]
             pages = seq.page_ids
             n = len(pages)
             k = row_pages[i] if row_seq[i] is seq else 0
@@ -353,38 +474,23 @@ class ModelRunner:
             if n > k:
                 hbt[i, k:n] = pages[k:]
             row_seq[i], row_pages[i] = seq, n
-        starts = [it.start for it in items]
-        top = max(starts)
-        hs[:n_items] = [it.tokens[-1] for it in items]
-        hs[mb:mb + n_items] = starts
-        hs[2 * mb:2 * mb + n_items] = [it.n for it in items]
-        hs[n_items:b] = 0
-        hs[mb + n_items:mb + b] = -1      # padding rows: slot -1, length 0
-        hs[2 * mb + n_items:2 * mb + b] = self.B
-        sv, sb, sc = self.plans(b).splits
-        for j, (s, longest) in enumerate(((sv, top + self.B), (sb, top), (sc, top + self.B))):
-            hs[3 * mb + j] = self._split_len(longest, s)
-        self._small.copy_(self._h_small, non_blocking=True)
-        self.block_tables[:b].copy_(self._h_bt[:b], non_blocking=True)
+        self._hbt = hbt
 
-    def _fetch(self, b: int) -> np.ndarray:
-        """The step's one device->host copy (tokens and counts) and the wait for it."""
-        self._h_out[:b].copy_(self.out[:b], non_blocking=True)
-        if self._done is not None:
-            self._done.record()
-            self._done.synchronize()
-            if self._events is not None:
-                e = self._events
-                self.timing.draft_s += e[0].elapsed_time(e[1]) / 1e3
-                self.timing.target_s += e[1].elapsed_time(e[2]) / 1e3
-        return self._ho[:b]
+    def _copy_in(self, slot: int, b: int) -> None:
+        self._in.copy_(self._h_in[slot], non_blocking=True)
+        self.block_tables[:b].copy_(self._h_bt[slot, :b], non_blocking=True)
+
+    def _assemble(self, b: int) -> None:
+        """The step's first kernel: ``small`` (tokens, lengths, block lengths, split lengths)
+        from the staged rows and, for continued rows, the previous step's output."""
+        assemble_step_inputs(self._in, self._small, self.qlen32, self.out, b, self.B,
+                             self.plans(b).splits, self._split_step)
 
     def _positions(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Positions ``[b*B]``, slots ``[b, B]`` (-1 on padding rows and past a row's block
         length), the valid-row mask, the clamped committed lengths and the block lengths, all
         computed on the device (the block lengths also into the plans' int32 copy)."""
         start, qlen = self.start[:b], self.qlen[:b]
-        self.qlen32[:b].copy_(qlen)
         valid = start >= 0
         s0 = start.clamp_min(0)
         pos = s0[:, None] + self._offs[None, :]
@@ -398,6 +504,7 @@ class ModelRunner:
     def _draft_fn(self, b: int) -> None:
         """Draft ``B-1`` greedy tokens per row into ``self.drafts`` (captured as a graph)."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
+        self._assemble(b)
         pos, slots, valid, s0, qlen = self._positions(b)
         plans = self.plans(b)
         self.seq_lens[1, :b].copy_(s0)
@@ -419,6 +526,8 @@ class ModelRunner:
         """Verify ``B`` positions per row, accept greedily, write the draft context of the
         committed rows; leaves ``[target tokens, count]`` in ``self.out`` (captured)."""
         B = self.B
+        if self.drafter is None:
+            self._assemble(b)
         pos, slots, valid, s0, qlen = self._positions(b)
         plans = self.plans(b)
         self.seq_lens[0, :b].copy_(torch.where(valid, s0 + qlen, 0))
@@ -467,11 +576,8 @@ class ModelRunner:
         if not self.use_graphs or self.graphs:
             return
         mb = self.max_batch
-        self._hs[:mb] = 0
-        self._hs[mb:2 * mb] = -1                      # every row padding: nothing is written
-        self._hs[2 * mb:3 * mb] = self.B
-        self._hs[3 * mb:] = self.min_split_tokens
-        self._small.copy_(self._h_small)
+        self._stage_padding(self._his[0], 0, mb)      # every row padding: nothing is written
+        self._in.copy_(self._h_in[0])
         torch.cuda.synchronize(self.device)
         # Capture releases the allocator's free blocks (torch.cuda.graph empties the cache),
         # e.g. the separate weights merge_weights replaced: release them first, so the
@@ -503,5 +609,5 @@ class ModelRunner:
         """The general path (:class:`~.general.GeneralPath`)."""
         return self.general.run(items)
 
-__all__ = ["GRAPHS_ENV", "ModelRunner", "RunnerConfig", "StepItem", "graph_batch_size",
-           "default_ladder", "graphs_enabled"]
+__all__ = ["GRAPHS_ENV", "Launched", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
+           "graph_batch_size", "default_ladder", "graphs_enabled", "overlap_enabled"]

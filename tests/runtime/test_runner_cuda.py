@@ -78,3 +78,54 @@ def test_engine_with_graphs_equals_without(ckpts):
     assert off.stats()["runner"]["graph_steps"] == 0
     plain = _llm(ckpts, drafter=False, dtype="float32").generate(PROMPTS, sp)
     assert [o.token_ids for o in plain] == [o.token_ids for o in a]
+
+
+@pytest.mark.parametrize("drafter", [True, False])
+def test_continued_step_equals_host_staged_step(ckpts, drafter):
+    """A step launched from the previous step's output on the device (``launch_next``, before
+    that output is read) equals the same step staged from the host after it: tokens and K/V
+    of both groups bit for bit, in the graphs, over a row subset and reorder (eagerly: the CPU
+    tests)."""
+    results = {}
+    for mode in ("host", "graph"):
+        llm = _llm(ckpts, drafter)
+        run, B = llm.runner, llm.block_size
+        reqs = llm.prefill(PROMPTS, SamplingParams(max_tokens=100))
+        items = [StepItem(r.seq_id, r.num_computed, B, [r.tokens[-1]], True, r.params)
+                 for r in reqs]
+        for r in reqs:
+            llm.mgr.reserve(r.seq_id, r.num_computed + 2 * B)
+        sel = [3, 0, 4, 1]                          # rows of the first step, in a new order
+        h0 = run.launch(items)
+        if mode != "host":
+            h1 = run.launch_next(h0, sel, [reqs[i].seq_id for i in sel],
+                                 [llm.max_seq_len] * len(sel))
+        first = run.collect(h0)
+        for r, new in zip(reqs, first):
+            commit = ([r.tokens[-1]] + new)[:len(new)]
+            llm.mgr.commit(r.seq_id, commit)
+            r.num_computed += len(commit)
+            r.tokens.extend(new)
+        if mode == "host":
+            second = run.decode([StepItem(reqs[i].seq_id, reqs[i].num_computed, B,
+                                          [reqs[i].tokens[-1]], True, reqs[i].params)
+                                 for i in sel])
+        else:
+            second = run.collect(h1)
+        results[mode] = (first, second, {g: t.clone() for g, t in llm.pool.kv.items()})
+        del llm
+    assert results["graph"][:2] == results["host"][:2]
+    assert any(len(t) > 1 for t in results["graph"][1]) or not drafter
+    for g, t in results["host"][2].items():
+        assert torch.equal(results["graph"][2][g], t), g
+
+
+def test_engine_overlapped_equals_synchronous(ckpts):
+    sp = SamplingParams(max_tokens=40)
+    outs = {}
+    for ov in (True, False):
+        llm = _llm(ckpts, dtype="float32", runner=RunnerConfig(overlap=ov))
+        outs[ov] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(PROMPTS, sp)]
+        assert llm.stats()["pool"]["in_use"] == 0
+    assert outs[True] == outs[False]
+
