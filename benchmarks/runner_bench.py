@@ -119,7 +119,7 @@ class Bench:
         return (time.perf_counter() - t) / n * 1e3
 
     def overlapped_ms(self, n: int) -> float:
-        """Steps as the engine overlaps them: step N + 1 launched from step N's output on the
+        """Steps as the engine overlaps them: step N + 1 submitted from step N's output on the
         device (pages reserved two blocks ahead) before step N's tokens are collected and
         committed."""
         run, B, keys = self.llm.runner, self.B, self.keys
@@ -128,13 +128,13 @@ class Bench:
         def one(h):
             for k in keys:
                 self.llm.mgr.reserve(k, self.start[k] + 2 * B)
-            nxt = run.launch_next(h, rows, keys, lim)
+            nxt = run.submit_next(h, rows, keys, lim)
             self.commit(run.collect(h))
             return nxt
 
-        h = one(run.launch(self.items()))
+        h = one(run.submit(self.items()))
         torch.cuda.synchronize()
-        # From an idle device: n steps launched, the last one collected inside the window.
+        # From an idle device: n steps submitted, the last one collected inside the window.
         t = time.perf_counter()
         for _ in range(n):
             h = one(h)

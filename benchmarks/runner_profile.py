@@ -207,14 +207,14 @@ def host_breakdown(bench, title: str, lines: list[str], steps: int = 20) -> None
         t = [time.perf_counter()]
         items = bench.items()
         t.append(time.perf_counter())
-        h = run.launch(items)
+        h = run.submit(items)
         t.append(time.perf_counter())
         rows = run.collect(h)
         t.append(time.perf_counter())
         bench.commit(rows)
         t.append(time.perf_counter())
         if rep >= 2:
-            for name, a, z in zip(("items", "launch (stage + replay calls)",
+            for name, a, z in zip(("items", "submit (stage + replay calls)",
                                    "collect (waits)", "commit"), t, t[1:]):
                 parts[name] += (z - a) / steps * 1e6
     lines += ["", f"### {title}: host time per step part (us)", "",

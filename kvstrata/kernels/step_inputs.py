@@ -9,7 +9,7 @@ stages ``inp = [src | tok | start | qlen | max_len]`` per row; this kernel write
   that step's output ``out [max_batch, B + 1]`` (tokens, then the count produced): the pending
   token is the last produced one, the committed length grows by the count, and the block
   length is ``min(B, max_len - start)``; a row that reached ``max_len`` becomes padding (start
-  ``-1``: no slot is written, nothing is attended). This is what lets the engine launch step
+  ``-1``: no slot is written, nothing is attended). This is what lets the engine submit step
   N + 1 before it has read step N's tokens (``EngineCore``'s overlapped steps).
 
 Then the three attention plans' split lengths from the longest committed length ``top`` (the

@@ -12,8 +12,8 @@ One step (see DESIGN.md, "Runtime"):
    pages that became full: only now are both groups of those tokens written).
 
 Overlapped steps (``RunnerConfig.overlap``, on by default on CUDA): while every running request
-decodes greedily on the runner's decode path and nothing waits to be admitted, the core launches
-step N + 1 before it reads step N's tokens (``ModelRunner.launch_next`` continues each sequence
+decodes greedily on the runner's decode path and nothing waits to be admitted, the core submits
+step N + 1 before it reads step N's tokens (``ModelRunner.submit_next`` continues each sequence
 from step N's output on the device; pages are reserved two blocks ahead), then does step N's
 host work (5.) while the device computes step N + 1. A request that finishes in step N still
 has a row in step N + 1: that row is dropped, and its pages are freed only once step N + 1 is
@@ -36,7 +36,7 @@ import torch
 from ..tokenizer import Detokenizer
 from ..pagepool.pool import OutOfPagesError
 from .outputs import RequestDelta, RequestOutput
-from .runner import Launched
+from .runner import InFlight
 from .step import StepItem
 from .sampling import SamplingParams
 from .scheduler import (DECODE, DONE, PREEMPTED, PREFILL, PREFILLED, Request, Scheduler,
@@ -52,7 +52,7 @@ _DECODE_ROW = SimpleNamespace(decode=True)
 class _Flight:
     """A decode step on the device whose tokens the host has not read yet."""
 
-    handle: Launched
+    handle: InFlight
     rows: list[Request]                 # the step's rows, in order
     sched: Scheduler
     ids: set = field(default_factory=set)        # id() of each row's request
@@ -388,7 +388,7 @@ class EngineCore:
         for r in touched:
             r.last_al = None
         try:
-            if self._launch(sched, plan):
+            if self._submit(sched, plan):
                 return self._land(sched, chain=True)
             self._step(plan)
         except Exception as e:
@@ -416,21 +416,21 @@ class EngineCore:
         return touched
 
     # -- overlapped steps ------------------------------------------------------------------------
-    def _launch(self, sched: Scheduler, plan: StepPlan) -> bool:
-        """Launch ``plan`` as the step in flight when it is a decode-path step of the main
+    def _submit(self, sched: Scheduler, plan: StepPlan) -> bool:
+        """Submit ``plan`` as the step in flight when it is a decode-path step of the main
         scheduler and overlapping is on (``False``: run it the synchronous way)."""
         if not self.runner.overlap or sched is not self.sched or plan.prefill:
             return False
         items = [self._item(r, n, True) for r, n in plan.decode]
         if not self.runner.decode_ok(items):
             return False
-        handle = self.runner.launch(items)
+        handle = self.runner.submit(items)
         rows = [r for r, _ in plan.decode]
         self._flight = _Flight(handle, rows, sched, {id(r) for r in rows})
         return True
 
     def _continuable(self, sched: Scheduler, f: _Flight) -> bool:
-        """Whether the next step can be launched from ``f``'s output on the device: the same
+        """Whether the next step can be submitted from ``f``'s output on the device: the same
         requests all still decode greedily on the decode path (no ``min_tokens`` masking), none
         waits for a free seat, and every row's pages for two more blocks are free now (no
         preemption while a step is in flight)."""
@@ -454,7 +454,7 @@ class EngineCore:
 
     def _land(self, sched: Scheduler, chain: bool) -> list[Request]:
         """Collect the step in flight and do its host work (acceptance, commit, retirement);
-        with ``chain``, first launch the step that continues it when possible. Returns the
+        with ``chain``, first submit the step that continues it when possible. Returns the
         requests whose tokens landed."""
         t0 = time.perf_counter()
         f = self._flight
@@ -463,7 +463,7 @@ class EngineCore:
             if chain and self._continuable(sched, f):
                 keep = [(i, r) for i, r in enumerate(f.rows) if r.state == DECODE]
                 rows = [r for _, r in keep]
-                handle = self.runner.launch_next(f.handle, [i for i, _ in keep],
+                handle = self.runner.submit_next(f.handle, [i for i, _ in keep],
                                                  [r.seq_id for r in rows],
                                                  [r.max_length for r in rows])
                 nxt = _Flight(handle, rows, sched, {id(r) for r in rows})
@@ -504,14 +504,14 @@ class EngineCore:
         return [r for r, _ in landed]
 
     def _drain(self) -> list[Request]:
-        """Land the step in flight, launching nothing after it (before any other kind of step,
+        """Land the step in flight, submitting nothing after it (before any other kind of step,
         ``prefill``/``resume`` and ``close``). Returns the requests whose tokens landed."""
         f = self._flight
         return self._land(f.sched, chain=False) if f is not None else []
 
     def _abandon(self, sched: Scheduler, error: BaseException | None = None,
                  nxt: _Flight | None = None) -> None:
-        """Wait for the step in flight (and ``nxt``, one launched after it) without using their
+        """Wait for the step in flight (and ``nxt``, one submitted after it) without using their
         tokens, then free what they held. With ``error`` (the host or the device failed
         mid-flight), their unfinished requests fail with it (or are aborted, for
         ``KeyboardInterrupt`` and the like)."""

@@ -21,6 +21,13 @@ Two paths:
 - **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager
   forward (:class:`~.general.GeneralPath`, in its own module).
 
+A decode step is :meth:`ModelRunner.submit` (stage, replay, queue the copy) then
+:meth:`ModelRunner.collect` (wait, read). :meth:`ModelRunner.submit_next` submits the step
+that continues the last one before it is collected: the step's first kernel
+(``kernels.step_inputs``, captured in the graphs) takes each row's pending token and lengths
+from the previous step's output on the device, so the engine's host work on step N overlaps
+the device's step N + 1 (pinned staging has two slots for that).
+
 Graph replay runs the same kernels with the same launch parameters on the same buffers as the
 eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
 """
@@ -73,11 +80,11 @@ class RunnerConfig:
             ``KVSTRATA_CUDA_GRAPHS`` environment variable overrides it).
         batch_sizes: the ladder of captured batch sizes (default :func:`default_ladder`); a
             batch runs in the graph of the smallest size that holds it.
-        overlap: let the engine launch a decode step before it has read the previous step's
+        overlap: let the engine submit a decode step before it has read the previous step's
             tokens (the device continues each sequence from the previous step's output), so
             the host's work on step N (stops, text, commit, scheduling) runs while the device
             computes step N + 1. ``None`` (default): on for CUDA devices, off on the CPU, where
-            nothing runs concurrently and the step launched past a request's end would only
+            nothing runs concurrently and the step submitted past a request's end would only
             cost time. The ``KVSTRATA_OVERLAP`` environment variable overrides it.
         timing: time the draft and verify stages with CUDA events (``LLM.stats()``
             ``draft_s``/``target_s``); off by default, since reading events waits for them.
@@ -149,8 +156,8 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
 
 
 @dataclass(slots=True, eq=False)
-class Launched:
-    """A decode step launched on the device (:meth:`ModelRunner.launch`): its padded batch
+class InFlight:
+    """A decode step submitted to the device (in flight until collected) (:meth:`ModelRunner.submit`): its padded batch
     ``b``, its ``n`` rows and its pinned staging slot."""
     b: int
     n: int
@@ -200,8 +207,8 @@ class ModelRunner:
         self.max_pages = math.ceil(max_seq_len / P)
         # The arena baseline's private buffers live outside the pool: always the general path.
         self.use_graphs = graphs_enabled(config, dev) and (drafter is None or self.paged)
-        #: the engine may launch a decode step before collecting the previous one
-        #: (:meth:`launch_next`); the arena baseline has no decode path
+        #: the engine may submit a decode step before collecting the previous one
+        #: (:meth:`submit_next`); the arena baseline has no decode path
         self.overlap = overlap_enabled(config, dev) and (drafter is None or self.paged)
         self.ladder = config.batch_sizes or default_ladder(max_batch_size)
         if self.ladder[-1] < max_batch_size and self.use_graphs:
@@ -231,7 +238,7 @@ class ModelRunner:
         self.out = torch.zeros((mb, B + 1), dtype=torch.int32, device=dev)
         self._offs = torch.arange(B, dtype=torch.int64, device=dev)
         self._qsl = (torch.arange(mb + 1, dtype=torch.int32, device=dev) * B)
-        # Pinned staging, two slots: a launched step's copies may still be queued while the
+        # Pinned staging, two slots: a submitted step's copies may still be queued while the
         # host stages the next one (overlapped steps).
         pin = dev.type == "cuda"
         self._h_in = torch.zeros((2, 5 * mb), dtype=torch.int64, pin_memory=pin)
@@ -246,8 +253,8 @@ class ModelRunner:
         self._row_seq: list[list] = [[None] * mb, [None] * mb]
         self._row_pages = [[0] * mb, [0] * mb]
         self._slot = 1
-        self._last: Launched | None = None               # the last launched decode step
-        self._uncollected: list[Launched | None] = [None, None]
+        self._last: InFlight | None = None               # the last submitted decode step
+        self._uncollected: list[InFlight | None] = [None, None]
         self._done = ([torch.cuda.Event(), torch.cuda.Event()] if dev.type == "cuda"
                       else None)
         self._events = ([[torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -355,7 +362,7 @@ class ModelRunner:
         ``pad_to`` forces the padded batch size (tests); by default graphs pad to the ladder
         and the eager path runs the exact batch.
         """
-        return self.collect(self.launch(items, pad_to))
+        return self.collect(self.submit(items, pad_to))
 
     def _batch(self, n: int, pad_to: int | None = None) -> int:
         b = pad_to or (graph_batch_size(self.ladder, n) if self.use_graphs else n)
@@ -365,16 +372,16 @@ class ModelRunner:
         return b
 
     @torch.inference_mode()
-    def launch(self, items: list[StepItem], pad_to: int | None = None) -> Launched:
+    def submit(self, items: list[StepItem], pad_to: int | None = None) -> InFlight:
         """Start a decode step staged from the host (``items`` must pass :meth:`decode_ok`);
         :meth:`collect` waits for its tokens. Nothing waits for the device here."""
         b = self._batch(len(items), pad_to)
         return self._run(b, len(items), self._stage(items, b))
 
     @torch.inference_mode()
-    def launch_next(self, prev: Launched, rows: list[int], seq_ids: list,
-                    max_lens: list[int]) -> Launched:
-        """Start the decode step that continues ``prev`` (the last launched step, collected or
+    def submit_next(self, prev: InFlight, rows: list[int], seq_ids: list,
+                    max_lens: list[int]) -> InFlight:
+        """Start the decode step that continues ``prev`` (the last submitted step, collected or
         not) for its rows ``rows``, in that order, before the host has read ``prev``'s tokens:
         each row's pending token, committed length and block length come from ``prev``'s
         output on the device (``kernels.step_inputs``). ``seq_ids`` name the rows' sequences,
@@ -382,7 +389,7 @@ class ModelRunner:
         ``max_lens`` are their length limits (a row that reaches its limit in ``prev`` runs as
         padding)."""
         if prev is not self._last:
-            raise RuntimeError("launch_next continues the last launched decode step only")
+            raise RuntimeError("submit_next continues the last submitted decode step only")
         b = self._batch(len(rows))
         slot = self._claim_slot()
         mb, hin = self.max_batch, self._his[slot]
@@ -394,12 +401,12 @@ class ModelRunner:
         self._copy_in(slot, b)
         return self._run(b, n, slot)
 
-    def collect(self, h: Launched) -> list[list[int]]:
-        """Wait for a launched step and return, per row, the tokens it produced (accepted drafts
-        + the bonus token). Each launched step is collected once, before the step launched two
+    def collect(self, h: InFlight) -> list[list[int]]:
+        """Wait for a submitted step and return, per row, the tokens it produced (accepted drafts
+        + the bonus token). Each submitted step is collected once, before the step submitted two
         after it."""
         if self._uncollected[h.slot] is not h:
-            raise RuntimeError("this decode step was already collected (or never launched)")
+            raise RuntimeError("this decode step was already collected (or never submitted)")
         if self._done is not None:
             self._done[h.slot].synchronize()
             if self._events is not None:
@@ -413,10 +420,10 @@ class ModelRunner:
     def _claim_slot(self) -> int:
         slot = self._slot = self._slot ^ 1
         if self._uncollected[slot] is not None:
-            raise RuntimeError("collect a launched decode step before launching two more")
+            raise RuntimeError("collect a submitted decode step before submitting two more")
         return slot
 
-    def _run(self, b: int, n: int, slot: int) -> Launched:
+    def _run(self, b: int, n: int, slot: int) -> InFlight:
         """Replay (or run) the step's draft and verify, then queue its one D2H copy."""
         ev = self._events[slot] if self._events is not None else None
         if ev is not None:
@@ -434,7 +441,7 @@ class ModelRunner:
         self._h_out[slot, :b].copy_(self.out[:b], non_blocking=True)
         if self._done is not None:
             self._done[slot].record()
-        h = self._last = self._uncollected[slot] = Launched(b, n, slot)
+        h = self._last = self._uncollected[slot] = InFlight(b, n, slot)
         return h
 
     def _stage(self, items: list[StepItem], b: int) -> int:
@@ -609,5 +616,5 @@ class ModelRunner:
         """The general path (:class:`~.general.GeneralPath`)."""
         return self.general.run(items)
 
-__all__ = ["GRAPHS_ENV", "Launched", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
+__all__ = ["GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
            "graph_batch_size", "default_ladder", "graphs_enabled", "overlap_enabled"]

@@ -1,4 +1,4 @@
-"""Overlapped decode steps (``RunnerConfig.overlap``) on the CPU: the step launched before the
+"""Overlapped decode steps (``RunnerConfig.overlap``) on the CPU: the step submitted before the
 previous step's tokens are read gives exactly the synchronous engine's outputs (tokens, text,
 acceptance lengths, finish reasons, per-call deltas), through stops, length limits, aborts,
 admissions, preemption, prefill/resume and failures, and frees every page; the device-side
@@ -148,7 +148,7 @@ def test_step_deltas_abort_and_late_admission_match_synchronous(ckpts):
 
 def test_preemption_under_pressure_with_overlap(ckpts):
     """A pool too small for every sequence's next two blocks: the chained step is not
-    launched (no preemption while a step is in flight); the synchronous path preempts."""
+    submitted (no preemption while a step is in flight); the synchronous path preempts."""
     prompts = [[(5 * i + 7 * j) % 290 for i in range(30 + 3 * j)] for j in range(6)]
     params = SamplingParams(max_tokens=40)
     per_page = _llm(ckpts, False).pool.bytes_per_page
@@ -208,7 +208,7 @@ def test_a_failure_in_flight_fails_its_requests_and_frees_everything(ckpts, monk
 
 def test_keyboard_interrupt_in_flight_frees_everything(ckpts, monkeypatch):
     llm = _llm(ckpts, True)
-    real, calls = llm.runner.launch_next, []
+    real, calls = llm.runner.submit_next, []
 
     def boom(*a):
         calls.append(1)
@@ -216,7 +216,7 @@ def test_keyboard_interrupt_in_flight_frees_everything(ckpts, monkeypatch):
             raise KeyboardInterrupt
         return real(*a)
 
-    monkeypatch.setattr(llm.runner, "launch_next", boom)
+    monkeypatch.setattr(llm.runner, "submit_next", boom)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, SamplingParams(max_tokens=20))
     _clean(llm)

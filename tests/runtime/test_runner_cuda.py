@@ -82,7 +82,7 @@ def test_engine_with_graphs_equals_without(ckpts):
 
 @pytest.mark.parametrize("drafter", [True, False])
 def test_continued_step_equals_host_staged_step(ckpts, drafter):
-    """A step launched from the previous step's output on the device (``launch_next``, before
+    """A step submitted from the previous step's output on the device (``submit_next``, before
     that output is read) equals the same step staged from the host after it: tokens and K/V
     of both groups bit for bit, in the graphs, over a row subset and reorder (eagerly: the CPU
     tests)."""
@@ -96,9 +96,9 @@ def test_continued_step_equals_host_staged_step(ckpts, drafter):
         for r in reqs:
             llm.mgr.reserve(r.seq_id, r.num_computed + 2 * B)
         sel = [3, 0, 4, 1]                          # rows of the first step, in a new order
-        h0 = run.launch(items)
+        h0 = run.submit(items)
         if mode != "host":
-            h1 = run.launch_next(h0, sel, [reqs[i].seq_id for i in sel],
+            h1 = run.submit_next(h0, sel, [reqs[i].seq_id for i in sel],
                                  [llm.max_seq_len] * len(sel))
         first = run.collect(h0)
         for r, new in zip(reqs, first):
