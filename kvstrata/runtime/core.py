@@ -431,13 +431,14 @@ class EngineCore:
 
     def _continuable(self, sched: Scheduler, f: _Flight) -> bool:
         """Whether the next step can be submitted from ``f``'s output on the device: the same
-        requests all still decode greedily on the decode path (no ``min_tokens`` masking), none
-        waits for a free seat, and every row's pages for two more blocks are free now (no
-        preemption while a step is in flight)."""
+        requests all still decode greedily on the decode path (no ``min_tokens`` masking), no
+        waiting request could be admitted now, and every row's pages for two more blocks are
+        free now (no preemption while a step is in flight)."""
         if not self.runner.overlap or sched is not self.sched:
             return False
-        if sched.waiting and sched.free_seats() > 0:
-            return False
+        if sched.waiting and sched.free_seats() > 0 and (
+                sched.waiting[0].state == DECODE or self._fits(sched, sched.waiting[0])):
+            return False        # the next request can be admitted now: land first
         live = [r for r in f.rows if r.state == DECODE]
         B = self.block_size
         if not live or len(live) != len(sched.running) or len(live) > sched.budget // B:
