@@ -310,7 +310,7 @@ class LLM(EngineCore):
             "prefix": self.mgr.stats(),
             "engine": dict(self._counters, running=len(self.sched.running),
                            waiting=len(self.sched.waiting)),
-            "runner": {"cuda_graphs": bool(self.runner.graphs),
+            "runner": {"cuda_graphs": bool(self.runner.graphs), "overlap": self.runner.overlap,
                        "batch_sizes": list(self.runner.ladder) if self.runner.graphs else [],
                        "graph_pool_bytes": self.runner.graph_pool_bytes,
                        **self.runner.stats()},

@@ -64,6 +64,7 @@ def test_overlapped_generate_equals_synchronous(ckpts, spec, n, seats, lens, sto
     res = {}
     for ov in (False, True):
         llm = _llm(ckpts, ov, spec, max_batch_size=seats)
+        assert llm.stats()["runner"]["overlap"] is ov
         res[ov] = _result(llm.generate(PROMPTS[:n], params))
         _clean(llm)
     assert res[True] == res[False]

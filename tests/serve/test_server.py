@@ -53,9 +53,12 @@ def offline():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("serve"), ARGS, env={"KVSTRATA_API_KEY": API_KEY})
+@pytest.fixture(scope="module", params=["synchronous", "overlapped"])
+def server(request, tmp_path_factory):
+    """The server, with synchronous steps (the CPU default) and with overlapped steps (the CUDA
+    default): streaming, disconnects and load must not depend on a step being in flight."""
+    env = {"KVSTRATA_API_KEY": API_KEY, "KVSTRATA_OVERLAP": str(int(request.param == "overlapped"))}
+    srv = start_server(tmp_path_factory.mktemp("serve"), ARGS, env=env)
     yield srv
     rc = srv.stop()
     assert rc == 0, srv.log.read_text()    # a clean shutdown after everything the tests did
