@@ -12,13 +12,14 @@ One step (see DESIGN.md, "Runtime"):
    pages that became full: only now are both groups of those tokens written).
 
 Overlapped steps (``RunnerConfig.overlap``, on by default on CUDA): while every running request
-decodes greedily on the runner's decode path and nothing waits to be admitted, the core submits
+decodes greedily on the decode path and no waiting request can be admitted, the core submits
 step N + 1 before it reads step N's tokens (``ModelRunner.submit_next`` continues each sequence
 from step N's output on the device; pages are reserved two blocks ahead), then does step N's
 host work (5.) while the device computes step N + 1. A request that finishes in step N still
 has a row in step N + 1: that row is dropped, and its pages are freed only once step N + 1 is
 collected (``_release`` defers them). Anything else (admission, prefill, preemption, sampling,
-``prefill``/``resume``, ``close``) first drains the step in flight.
+``close``, or a step of another scheduler: ``prefill``/``resume`` run their own, and overlap
+their decode steps the same way) first lands the step in flight.
 """
 
 from __future__ import annotations
@@ -221,6 +222,8 @@ class EngineCore:
             for r in list(sched.waiting) + list(sched.running):
                 self._abort(sched, r)
                 outs[r.request_id] = self._output(r, r.request_id)
+            if self._flight is not None and self._flight.sched is sched:
+                self._abandon(sched)      # an exception left this scheduler's step in flight
         return held
 
     def _fits(self, sched: Scheduler, r: Request) -> bool:
@@ -417,9 +420,9 @@ class EngineCore:
 
     # -- overlapped steps ------------------------------------------------------------------------
     def _submit(self, sched: Scheduler, plan: StepPlan) -> bool:
-        """Submit ``plan`` as the step in flight when it is a decode-path step of the main
-        scheduler and overlapping is on (``False``: run it the synchronous way)."""
-        if not self.runner.overlap or sched is not self.sched or plan.prefill:
+        """Submit ``plan`` as the step in flight when it is a decode-path step and overlapping
+        is on (``False``: run it the synchronous way)."""
+        if not self.runner.overlap or plan.prefill:
             return False
         items = [self._item(r, n, True) for r, n in plan.decode]
         if not self.runner.decode_ok(items):
@@ -434,7 +437,7 @@ class EngineCore:
         requests all still decode greedily on the decode path (no ``min_tokens`` masking), no
         waiting request could be admitted now, and every row's pages for two more blocks are
         free now (no preemption while a step is in flight)."""
-        if not self.runner.overlap or sched is not self.sched:
+        if not self.runner.overlap:
             return False
         if sched.waiting and sched.free_seats() > 0 and (
                 sched.waiting[0].state == DECODE or self._fits(sched, sched.waiting[0])):
@@ -505,8 +508,8 @@ class EngineCore:
         return [r for r, _ in landed]
 
     def _drain(self) -> list[Request]:
-        """Land the step in flight, submitting nothing after it (before any other kind of step,
-        ``prefill``/``resume`` and ``close``). Returns the requests whose tokens landed."""
+        """Land the step in flight, submitting nothing after it (before a step of another
+        scheduler). Returns the requests whose tokens landed."""
         f = self._flight
         return self._land(f.sched, chain=False) if f is not None else []
 
