@@ -103,6 +103,9 @@ class RunnerConfig:
     min_split_tokens: int = MIN_SPLIT_TOKENS
 
     def __post_init__(self) -> None:
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"RunnerConfig.overlap must be True, False or None (by device), "
+                             f"got {self.overlap!r}")
         m = self.min_split_tokens
         if not isinstance(m, int) or isinstance(m, bool) or m < _SPLIT_ALIGN or m % _SPLIT_ALIGN:
             raise ValueError(f"RunnerConfig.min_split_tokens must be a positive multiple of "

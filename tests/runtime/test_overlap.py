@@ -49,6 +49,8 @@ def test_overlap_switch_config_device_and_environment(monkeypatch):
     monkeypatch.setenv(OVERLAP_ENV, "sometimes")
     with pytest.raises(ValueError, match=OVERLAP_ENV):
         overlap_enabled(RunnerConfig(), cuda)
+    with pytest.raises(ValueError, match="overlap must be"):
+        RunnerConfig(overlap="yes")
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
