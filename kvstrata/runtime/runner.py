@@ -160,8 +160,8 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
 
 @dataclass(slots=True, eq=False)
 class InFlight:
-    """A decode step submitted to the device (in flight until collected) (:meth:`ModelRunner.submit`): its padded batch
-    ``b``, its ``n`` rows and its pinned staging slot."""
+    """A decode step submitted to the device (:meth:`ModelRunner.submit`), in flight until
+    collected: its padded batch ``b``, its ``n`` rows and its pinned staging slot."""
     b: int
     n: int
     slot: int
