@@ -86,6 +86,13 @@ def test_stop_strings_and_eos_with_overlap(ckpts):
     assert any(r[2] == "stop" for r in outs[True])
 
 
+def _stream(per: dict, deltas) -> None:
+    """Append each delta's tokens to its request's stream; keep the last finish reason."""
+    for d in deltas:
+        toks, _ = per.get(d.request_id, ([], None))
+        per[d.request_id] = (toks + list(d.new_token_ids), d.finish_reason)
+
+
 def _drive(llm: LLM, script) -> tuple[dict, list]:
     """Per request: its streamed tokens and finish reason; and per step() call, the deltas
     (``script[k]`` runs before call k)."""
@@ -95,9 +102,7 @@ def _drive(llm: LLM, script) -> tuple[dict, list]:
             script[k](llm)
         deltas = llm.step()
         log.append(sorted((d.request_id, tuple(d.new_token_ids), d.finished) for d in deltas))
-        for d in deltas:
-            toks, _ = per.get(d.request_id, ([], None))
-            per[d.request_id] = (toks + list(d.new_token_ids), d.finish_reason)
+        _stream(per, deltas)
         k += 1
         assert k < 400
     return per, log
@@ -302,3 +307,39 @@ def test_step_inputs_triton_kernel_equals_reference(device):
             _assemble_kernel[(1,)](inp, got_s, got_q, out, out.stride(0), rows, mb, B, 34, 3,
                                    1, 32, BLOCK=max(16, 1 << (rows - 1).bit_length()))
         assert torch.equal(got_s.cpu(), want_s) and torch.equal(got_q.cpu(), want_q), (mb, rows)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
+                              st.integers(0, 4), st.integers(1, 24)),
+                    min_size=4, max_size=30))
+def test_random_add_abort_step_with_overlap(ckpts, ops):
+    """Random interleavings of add_request / abort / step with overlapped steps: a request that
+    ran to its end has exactly the synchronous engine's output; an aborted one streamed a prefix
+    of it; per-request streams are consistent; every page is freed."""
+    ref = _llm(ckpts, False, max_batch_size=3)
+    llm = _llm(ckpts, True, max_batch_size=3)
+    streams, params, n = {}, {}, 0
+    for op, i, m in ops:
+        if op == "add":
+            rid = f"q{n}"
+            n += 1
+            params[rid] = (i, SamplingParams(max_tokens=m))
+            llm.add_request(PROMPTS[i], params[rid][1], request_id=rid)
+        elif op == "abort" and params:
+            llm.abort(sorted(params)[i % len(params)])
+        else:
+            _stream(streams, llm.step())
+    while True:             # until nothing runs, and the last abort's delta is delivered
+        deltas = llm.step()
+        _stream(streams, deltas)
+        if not deltas and not llm.has_unfinished():
+            break
+    _clean(llm)
+    for rid, (i, sp) in params.items():
+        want = ref.generate([PROMPTS[i]], sp)[0].token_ids
+        toks, reason = streams.get(rid, ([], "abort"))
+        if reason == "abort":
+            assert toks == want[:len(toks)], rid
+        else:
+            assert (toks, reason) == (want, "length"), rid
