@@ -222,8 +222,7 @@ class EngineCore:
             for r in list(sched.waiting) + list(sched.running):
                 self._abort(sched, r)
                 outs[r.request_id] = self._output(r, r.request_id)
-            if self._flight is not None and self._flight.sched is sched:
-                self._abandon(sched)      # an exception left this scheduler's step in flight
+            self._settle()      # an exception may have left this scheduler's step in flight
         return held
 
     def _fits(self, sched: Scheduler, r: Request) -> bool:
@@ -502,8 +501,7 @@ class EngineCore:
         for r in sched.retire():
             self._release(r)        # deferred while the next step holds its row
             sched.finished.append(r)
-        if nxt is not None and all(r.state != DECODE for r in nxt.rows):
-            self._abandon(sched)    # every row of the next step finished: nothing to land
+        self._settle()              # every row of the next step may have finished
         c["step_s"] += time.perf_counter() - t0
         return [r for r, _ in landed]
 
@@ -523,7 +521,7 @@ class EngineCore:
         self._flight = None
         for f in flights:
             try:
-                self.runner.collect(f.handle)
+                self.runner.drop(f.handle)
             except Exception:   # noqa: BLE001 - the device failed: its pages are freed anyway
                 pass
         for f in flights:
@@ -537,8 +535,8 @@ class EngineCore:
                 self._release(r)
 
     def _settle(self) -> None:
-        """After an abort: a step in flight whose every row finished is waited for and its
-        pages freed (nothing else would land it)."""
+        """A step in flight whose every row finished (or was aborted) is waited for and its
+        pages freed: nothing else would land it."""
         f = self._flight
         if f is not None and all(r.state == DONE for r in f.rows):
             self._abandon(f.sched)

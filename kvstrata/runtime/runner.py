@@ -420,6 +420,11 @@ class ModelRunner:
         B = self.B
         return [r[:r[B]] for r in self._hos[h.slot, :h.n].tolist()]
 
+    def drop(self, h: InFlight) -> None:
+        """Wait for a submitted step without reading its tokens (nothing once collected)."""
+        if self._uncollected[h.slot] is h:
+            self.collect(h)
+
     def _claim_slot(self) -> int:
         slot = self._slot = self._slot ^ 1
         if self._uncollected[slot] is not None:

@@ -16,13 +16,8 @@ from kvstrata.pagepool.manager import UnknownSequenceError
 from kvstrata.runtime import LLM, CacheConfig, SamplingParams
 
 from tiny_dflash import PROMPTS
+from tiny_dflash import assert_clean as _clean
 from tiny_dflash import cache_config as _cache
-
-
-def _clean(llm: LLM) -> None:
-    st = llm.stats()
-    assert st["pool"]["in_use"] == 0 and not llm.mgr.seqs
-    assert not llm.sched.running and not llm.sched.waiting and not llm.has_unfinished()
 
 
 def _nan_params(max_tokens=4) -> SamplingParams:

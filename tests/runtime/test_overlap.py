@@ -18,18 +18,13 @@ from kvstrata.runtime import LLM, RunnerConfig, SamplingParams
 from kvstrata.runtime.runner import OVERLAP_ENV, overlap_enabled
 
 from tiny_dflash import PROMPTS
+from tiny_dflash import assert_clean as _clean
 from tiny_dflash import cache_config as _cache
 
 
 def _llm(ckpts, overlap: bool, spec: bool = True, **cache):
     return LLM(ckpts["agree"][0], ckpts["drafter"][0] if spec else None, _cache(**cache),
                runner=RunnerConfig(overlap=overlap))
-
-
-def _clean(llm: LLM) -> None:
-    st_ = llm.stats()
-    assert st_["pool"]["in_use"] == 0 and not llm.mgr.seqs and llm._flight is None
-    assert not llm.sched.running and not llm.sched.waiting and not llm.has_unfinished()
 
 
 def _result(outs):

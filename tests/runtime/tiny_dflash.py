@@ -102,3 +102,11 @@ def cache_config(**kw):
                 draft_codec="identity")
     base.update(kw)
     return CacheConfig(**base)
+
+
+def assert_clean(llm) -> None:
+    """Nothing left allocated or queued: no page in use, no sequence, no step in flight, no
+    running or waiting request."""
+    st = llm.stats()
+    assert st["pool"]["in_use"] == 0 and not llm.mgr.seqs and llm._flight is None
+    assert not llm.sched.running and not llm.sched.waiting and not llm.has_unfinished()
