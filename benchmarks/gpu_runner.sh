@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated rope bsweep vsweep tiled
+#   gated rope bsweep vsweep
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
@@ -18,8 +18,7 @@
 # KPROF_BATCHES (16); kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
 # kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) over split counts
 # and tiles in the runner's grid; vsweep: batch-1 verify attention over q blocks, fused merge,
-# split lengths and tiles; tiled: products of TILED_ROWS (64 256 1024) rows, cuBLAS against
-# gemv's row tiles, plain and with the fused epilogues. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
+# split lengths and tiles. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -45,8 +44,6 @@ for s in "${steps[@]}"; do
                --out "$OUT/profile.md" > "$OUT/profile.log" 2>&1 ;;
     kprof) python3 benchmarks/runner_profile.py --profile --out "$OUT/kprof.md" \
              > "$OUT/kprof.log" 2>&1 ;;
-    tiled) python3 benchmarks/runner_profile.py --tiled ${TILED_ROWS:-64 256 1024} \
-             --out "$OUT/tiled.md" > "$OUT/tiled.log" 2>&1 ;;
     rope) python3 benchmarks/runner_profile.py --rope --out "$OUT/rope.md" > "$OUT/rope.log" 2>&1 ;;
     kprofb) python3 benchmarks/runner_profile.py --profile --batches ${KPROF_BATCHES:-16} \
               --out "$OUT/kprofb.md" > "$OUT/kprofb.log" 2>&1 ;;

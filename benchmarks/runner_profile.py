@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runner_bench import Bench, _graph_us, copy_rate, make_llm, matmul_rate, replay_ms  # noqa: E402
+from runner_bench import Bench, _graph_us, copy_rate, make_llm, replay_ms  # noqa: E402
 from engine_bench import PRESETS, build_models  # noqa: E402
 
 from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv  # noqa: E402
@@ -94,86 +94,6 @@ def gemm_sweep(bw: float, lines: list[str], rows=(1, 16), full: bool = True,
             print(lines[-1], flush=True)
         ws.clear()   # frees the copies (a del would leave the closures unbound)
         torch.cuda.empty_cache()
-
-
-TILED_GRID = [GemvLaunch(bn, bk, st, w, block_m=bm) for bm, bn, bk, st, w in (
-    (64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 64, 128, 3, 8),
-    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 256, 64, 3, 8), (64, 256, 64, 3, 8),
-    (256, 64, 64, 3, 8), (64, 64, 64, 5, 4))]
-GATED_GRID = [GemvLaunch(bn, bk, st, w, block_m=bm) for bm, bn, bk, st, w in (
-    (64, 64, 64, 4, 4), (128, 64, 64, 3, 8), (64, 128, 64, 3, 8), (128, 32, 64, 4, 4),
-    (64, 32, 128, 4, 4))]
-
-
-def tiled_sweep(bw: float, flops: float, lines: list[str], rows=(64, 256, 1024),
-                shapes=("qkv", "o_proj", "gate_up", "down")) -> None:
-    """More rows than one program holds (verify at batch 16 and 64: 256 and 1024 rows):
-    cuBLAS against :func:`gemv`'s kernel with row tiles (``GemvLaunch.block_m``) over a tile
-    grid, then the fused epilogues against cuBLAS + the separate launch: gate/up with SiLU
-    (``silu_mul_merged``) and o_proj / down with the residual add and the next norm
-    (``add_rms_norm``). Weights rotate past L2; us per product, median of graph replays."""
-    from kvstrata.kernels.layer_ops import add_rms_norm, silu_mul_merged
-    lines += ["", f"### Row-tiled products (copy rate {bw / 1e12:.3f} TB/s, bf16 products "
-              f"{flops / 1e12:.0f} TFLOP/s)", "",
-              "| shape | rows | floor us (bytes, flops) | cuBLAS us | best tiled us | tile | "
-              "fused: cuBLAS + launch us | fused tiled us (tile) |",
-              "|---|---|---|---|---|---|---|---|"]
-    for name in shapes:
-        n, k = SHAPES[name]
-        size = n * k * 2
-        copies = max(2, min(12, -(-400_000_000 // size)))
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-              for _ in range(copies)]
-        for m in rows:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            fl_b, fl_f = size / bw * 1e6, 2 * m * n * k / flops * 1e6
-
-            def run(f):
-                return _graph_us(lambda: [f(x, w) for w in ws], copies)
-
-            ref = F.linear(x, ws[0]).float()
-            t_cublas = run(F.linear)
-            res = []
-            for lt in (GATED_GRID if name == "gate_up" else TILED_GRID):
-                try:
-                    y = _gemv(x, ws[0], None, lt).float()
-                    err = (y - ref).abs().max().item()
-                    if err > 0.02 * ref.abs().max().item() + 1e-3:
-                        print(f"{name} m{m} {lt}: wrong, max err {err}", flush=True)
-                        continue
-                    t = run(lambda a, b: _gemv(a, b, None, lt))
-                except Exception as e:  # noqa: BLE001 - tiles past the shared memory
-                    print(f"{name} m{m} {lt}: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                    continue
-                print(f"{name} m{m} {lt}: {t:.2f} us", flush=True)
-                res.append((t, lt))
-            best, blt = min(res, key=lambda r: r[0]) if res else (float("nan"), None)
-            fused, fused_s = "-", "-"
-            if name == "gate_up":
-                fused = f"{run(lambda a, b: silu_mul_merged(F.linear(a, b))):.1f}"
-                fr = [(run(lambda a, b: _gemv(a, b, None, lt, gated=True)), lt)
-                      for _, lt in sorted(res, key=lambda r: r[0])[:3]]
-            elif name in ("o_proj", "down"):
-                r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-                g = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-                fused = f"{run(lambda a, b: add_rms_norm(F.linear(a, b), g, 1e-6, r)):.1f}"
-                fr = [(run(lambda a, b: _gemv(a, b, None, lt, add_norm=(r, g, 1e-6))), lt)
-                      for _, lt in sorted(res, key=lambda r: r[0])[:3]]
-            else:
-                fr = []
-            if fr:
-                ft, flt = min(fr, key=lambda r: r[0])
-                fused_s = f"{ft:.1f} ({_tile(flt)})"
-            lines.append(f"| {name} | {m} | {fl_b:.1f}, {fl_f:.1f} | {t_cublas:.1f} | "
-                         f"{best:.1f} | {_tile(blt)} | {fused} | {fused_s} |")
-            print(lines[-1], flush=True)
-        ws.clear()
-        torch.cuda.empty_cache()
-
-
-def _tile(lt) -> str:
-    return "-" if lt is None else (f"{lt.block_m}x{lt.block_n}x{lt.block_k}/{lt.stages}/"
-                                   f"{lt.warps}")
 
 
 def gated_sweep(bw: float, lines: list[str], rows=(1, 16)) -> None:
@@ -355,8 +275,6 @@ def main():
     ap.add_argument("--gemm-hot", action="store_true",
                     help="also each product over one (L2-resident) weight copy")
     ap.add_argument("--gated", action="store_true", help="gate/up with SiLU, alone")
-    ap.add_argument("--tiled", type=int, nargs="*", default=None,
-                    help="row-tiled products at these row counts (default 64 256 1024)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rope", action="store_true", help="q/k norm + RoPE tiles, alone")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
@@ -369,8 +287,6 @@ def main():
     lines = [f"# runner profile, {torch.cuda.get_device_name()}, copy rate {bw / 1e12:.3f} TB/s"]
     if args.gated:
         gated_sweep(bw, lines)
-    if args.tiled is not None:
-        tiled_sweep(bw, matmul_rate(), lines, rows=tuple(args.tiled) or (64, 256, 1024))
     if args.rope:
         rope_sweep(lines)
     if args.profile:

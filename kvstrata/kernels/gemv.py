@@ -20,7 +20,6 @@ epilogue and leaves the norm's row scale (:class:`RowRms`) to the next product's
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,30 +36,8 @@ try:
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
-#: the most rows one program of :func:`gemv`'s kernel holds whole (a decode or batch-1 verify
-#: step); more rows are tiled over programs (:attr:`GemvLaunch.block_m`).
+#: the most rows :func:`gemv` runs on its kernel; more rows take ``F.linear``.
 GEMV_MAX_ROWS = 16
-#: ``KVSTRATA_GEMV_ROWS=n``: :func:`gemv` runs its kernel for up to ``n`` rows, ``F.linear``
-#: (cuBLAS) beyond; unset: :data:`GEMV_TILED_ROWS`.
-ROWS_ENV = "KVSTRATA_GEMV_ROWS"
-#: the default of ``KVSTRATA_GEMV_ROWS`` (measured on the H200: docs/benchmarks.md, runner
-#: section, ninth session).
-GEMV_TILED_ROWS = 16
-
-
-def gemv_max_rows() -> int:
-    """The most rows :func:`gemv` runs on its kernel (``KVSTRATA_GEMV_ROWS``, else
-    :data:`GEMV_TILED_ROWS`)."""
-    v = os.environ.get(ROWS_ENV, "").strip()
-    if not v:
-        return GEMV_TILED_ROWS
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{ROWS_ENV}={v!r}: a row count >= 0 (0: the kernel never runs)")
-    return n
 
 
 @dataclass(frozen=True)
@@ -79,12 +56,9 @@ class GemvLaunch:
     stages: int = 4
     warps: int = 4
     late_trigger: bool = False
-    #: rows per program: 16 (one program holds every row of a step of <= 16); more rows are
-    #: tiled over programs of ``block_m`` rows each (the same weight tile read by each).
-    block_m: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "block_m"):
+        for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemvLaunch.{name}={v}: a power of two >= 16")
@@ -93,7 +67,7 @@ class GemvLaunch:
                              "(1, 2, 4, 8 or 16)")
 
 
-def gemv_launch(n: int, k: int, gated: bool = False, rows: int = 1) -> GemvLaunch:
+def gemv_launch(n: int, k: int, gated: bool = False) -> GemvLaunch:
     """The default tile for an ``[n, k]`` weight. Measured on the H200 (docs/benchmarks.md,
     runner section: every tile of a grid, 1 and 16 rows): the Qwen3-8B shapes' best tiles
     were 64 x 128 for wide outputs (q/k/v 6144, gate/up 24576; 5 stages up to 8k rows, 3
@@ -101,8 +75,6 @@ def gemv_launch(n: int, k: int, gated: bool = False, rows: int = 1) -> GemvLaunc
     4 ranges, summed in one launch) and bulk L2 prefetches before the PDL wait lost
     everywhere. ``gated`` (gate and up rows per program): 32 x 128, 3 stages (the same 64
     weight rows per program as the plain gate/up tile)."""
-    if rows > GEMV_MAX_ROWS:
-        return GemvLaunch(128, 64, 3, 8, block_m=128 if rows > 64 else 64)
     if gated:
         return GemvLaunch(32, 128, 3, 4)
     if n >= 6144:
@@ -114,7 +86,6 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, s_xm, s_wn, s_om,
                      r_ptr, g_ptr, h_ptr, ss_out_ptr, ss_in_ptr, s_rm, s_hm, parts_in, eps,
-                     m_tiles,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
                      RMS_IN: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -129,12 +100,9 @@ if triton is not None:
         # (ss_out [M, programs]) and g * h as the output: the next RMSNorm but its row scale.
         # RMS_IN (the consumer): x is g * h, and the accumulator is scaled by rsqrt(sum of the
         # parts_in sums / K + eps) per row, so the loop stays loads and products.
-        # Programs i * m_tiles ... (i + 1) * m_tiles - 1 share weight rows i * BLOCK_N ...: the
-        # row tiles of one weight tile run side by side, so all but the first read it from L2.
-        pid = tl.program_id(0) // m_tiles
-        n_tiles = tl.num_programs(0) // m_tiles
+        pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = (tl.program_id(0) % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         n_ok = n < N
         m_ok = m < M
@@ -199,7 +167,7 @@ if triton is not None:
             hn = (res.to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt)
             tl.store(h_ptr + m64 * s_hm + n[None, :], hn, mask=mn)
             hf = hn.to(tl.float32)
-            tl.store(ss_out_ptr + m * n_tiles + pid, tl.sum(hf * hf, 1), mask=m_ok)
+            tl.store(ss_out_ptr + m * tl.num_programs(0) + pid, tl.sum(hf * hf, 1), mask=m_ok)
             acc = gam[None, :] * hf
         tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(dt),
                  mask=m_ok[:, None] & n_ok[None, :])
@@ -213,26 +181,24 @@ if triton is not None:
         return tl.dot(x, tl.trans(w), acc)
 
 
-def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto", max_rows: int | None = None
-            ) -> bool:
+def gemv_ok(x: Tensor, weight: Tensor, impl: str = "auto") -> bool:
     """Whether :func:`gemv` runs its kernel for these operands (else the torch ops):
     ``impl="auto"`` on CUDA, ``"triton"`` anywhere Triton runs (the interpreter on CPU),
-    ``"torch"`` never; at most ``max_rows`` rows (default :func:`gemv_max_rows`)."""
+    ``"torch"`` never."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     return (triton is not None and impl != "torch"
             and (x.device.type == "cuda" or impl == "triton") and x.dim() == 2
-            and 0 < x.shape[0] <= (gemv_max_rows() if max_rows is None else max_rows)
-            and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = False,
-            rows: int = 1) -> GemvLaunch | None:
+def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = False
+            ) -> GemvLaunch | None:
     """``launch`` (or the default) fitted to ``k`` columns: ``block_k`` halved until it
     divides ``k``; ``None`` when no tile fits."""
-    lt = launch or gemv_launch(weight.shape[0] // (2 if gated else 1), k, gated, rows)
+    lt = launch or gemv_launch(weight.shape[0] // (2 if gated else 1), k, gated)
     if weight.shape[1] != k:
         return None
     bk = lt.block_k
@@ -300,8 +266,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
                             or rms.parts.dtype != torch.float32):
         raise ValueError(f"gemv: rms parts {tuple(rms.parts.shape)} {rms.parts.dtype} over "
                          f"{rms.dim} columns do not fit x {tuple(x.shape)} (float32 [M, P])")
-    ok = gemv_ok(x, weight, impl, max_rows=None if launch is None else 1 << 30)
-    lt = _launch(weight, x.shape[-1], launch, gated, x.shape[0]) if ok else None
+    lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
     if lt is None:
@@ -318,7 +283,6 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         return (g.float() * h.float()).to(x.dtype), h, RowRms(parts, N, eps)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     grid = triton.cdiv(N, lt.block_n)
-    m_tiles = triton.cdiv(M, lt.block_m)
     if add_norm is not None:
         residual, g, eps = add_norm
         h = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -329,14 +293,13 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         r_args = (weight,) * 4
     ss_in = rms.parts.contiguous() if rms is not None else weight
     parts_in = ss_in.shape[1] if rms is not None else 1
-    _gemv_kernel[(grid * m_tiles,)](
+    _gemv_kernel[(grid,)](
         x, weight, bias if bias is not None else weight, out, M, N, K, x.stride(0),
         weight.stride(0), out.stride(0), *r_args, ss_in,
         residual.stride(0) if add_norm else 0, h.stride(0) if add_norm else 0, parts_in, eps,
-        m_tiles,
         HAS_BIAS=bias is not None, GATED=gated, ADD_NORM=add_norm is not None,
         RMS_IN=rms is not None, PARTS_PAD=triton.next_power_of_2(parts_in),
-        BLOCK_M=lt.block_m, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
+        BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
         LATE_TRIGGER=lt.late_trigger and add_norm is not None,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
         **pdl_launch(x.device, "gemv"))
@@ -345,5 +308,5 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GEMV_TILED_ROWS", "GemvLaunch", "ROWS_ENV", "RowRms", "gemv",
-           "gemv_add_norm", "gemv_launch", "gemv_max_rows", "gemv_ok"]
+__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "RowRms", "gemv", "gemv_add_norm", "gemv_launch",
+           "gemv_ok"]
