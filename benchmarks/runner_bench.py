@@ -35,6 +35,7 @@ from engine_bench import PRESETS, build_models  # noqa: E402
 
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams  # noqa: E402
 from kvstrata.runtime.runner import StepItem  # noqa: E402
+from kvstrata.runtime.verify_width import WidthPolicy  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=1 << 20)
 
@@ -142,11 +143,11 @@ class Bench:
         dt = time.perf_counter() - t
         return dt / n * 1e3
 
-    def graph_ms(self, name: str, reps: int) -> float:
+    def graph_ms(self, name: str, reps: int, width: int | None = None) -> float:
         run = self.llm.runner
         items = self.items()
         run._stage(items, len(items))
-        return replay_ms(run.graphs[(name, len(items))], reps)
+        return replay_ms(run.graphs[(name, len(items), width or run.widths[0])], reps)
 
     def close(self):
         for k in self.keys:
@@ -393,6 +394,11 @@ def shipped_e2e(lines: list[str], res: dict, rounds: int = 2) -> None:
                     del llm
 
 
+def pin_width(llm: LLM, width: int) -> None:
+    """Every step of ``llm`` at this verify width (a captured one)."""
+    llm.runner.width_policy = WidthPolicy(llm.runner.B, (width,))
+
+
 def make_llm(target, drafter, batch, max_ctx, graphs=True) -> LLM:
     B = drafter.cfg.block_size if drafter is not None else 1
     cache = CacheConfig(page_size=16, max_seq_len=max_ctx + 512, max_batch_size=batch,
@@ -435,6 +441,8 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                 B = llm.block_size if d is not None else 1
                 mm = 2 * b * B * (w_t + (w_d + w_head if d is not None else 0)) / 2
                 compute = mm / flops * 1e3
+                policy = llm.runner.width_policy
+                pin_width(llm, llm.runner.widths[0])      # the table's rows: the full block
                 ms = bench.step_ms(args.steps)
                 llm.runner.use_graphs = False
                 eager = bench.step_ms(max(3, args.steps // 5))
@@ -450,6 +458,14 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         row(f"{name}, min split {m}", b, ctx, bench.step_ms(args.steps), None,
                             floor, compute)
                     llm.runner.min_split_tokens = default
+                if d is not None:   # narrower verify widths (runtime/verify_width.py)
+                    for w in llm.runner.widths[1:]:
+                        pin_width(llm, w)
+                        # products: w target rows, B drafter rows, w - 1 draft-head rows
+                        mm_w = b * (w * w_t + llm.block_size * w_d + (w - 1) * w_head)
+                        row(f"{name}, overlapped, verify-{w}", b, ctx,
+                            bench.overlapped_ms(args.steps), None, floor, mm_w / flops * 1e3)
+                    pin_width(llm, llm.runner.widths[0])
                 if d is not None:   # the step's two graphs, each against its own floors
                     fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
                     row(f"verify-{llm.block_size} (graph replay)", b, ctx,
@@ -457,6 +473,7 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                     fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
                     row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d,
                         b * B * (w_d + w_head) / flops * 1e3)
+                llm.runner.width_policy = policy
                 bench.close()
                 del bench      # it holds the LLM: the pool must go before the next one
             del llm

@@ -247,7 +247,7 @@ def profile_steps(args, lines: list[str]) -> None:
                 run = llm.runner
                 run._stage(bench.items(), b)
                 for name in (("draft", "verify") if d is not None else ("verify",)):
-                    g = run.graphs[(name, b)]
+                    g = run.graphs[(name, b, run.widths[0])]
                     ms = replay_ms(g, 30)
                     kernel_table(g.replay, 10, f"{mode} b{b} ctx {ctx}: {name} graph", lines, ms)
                     if ctx == args.contexts[0] and b == 1:

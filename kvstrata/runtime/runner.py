@@ -50,6 +50,7 @@ from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
 from ..kernels.step_inputs import assemble_step_inputs
 from .general import GeneralPath
 from .step import StepItem, StepTiming
+from .verify_width import WIDTHS_ENV, WidthPolicy, default_widths, parse_widths
 
 #: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
 #: (overrides :attr:`RunnerConfig.cuda_graphs`).
@@ -94,6 +95,13 @@ class RunnerConfig:
             the batch evenly over all of them, in multiples of 32 tokens (128 with
             sliding-window layers), so short contexts run short splits
             (``benchmarks/runner_bench.py --sweep``).
+        verify_widths: the verify widths (positions a speculative step verifies per sequence,
+            ``2 .. block_size``) captured per batch size; each step runs the one with the most
+            expected tokens per unit of device time (:mod:`.verify_width`). ``None``
+            (default): the block, half and a quarter of it with CUDA graphs, the block without
+            (nothing times the widths then). One width pins it. The
+            ``KVSTRATA_VERIFY_WIDTHS`` environment variable (e.g. ``16`` or ``16,8,4``)
+            overrides it.
     """
 
     cuda_graphs: bool = True
@@ -101,6 +109,7 @@ class RunnerConfig:
     overlap: bool | None = None
     timing: bool = False
     min_split_tokens: int = MIN_SPLIT_TOKENS
+    verify_widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.overlap is not None and not isinstance(self.overlap, bool):
@@ -117,6 +126,13 @@ class RunnerConfig:
                 raise ValueError(f"RunnerConfig.batch_sizes must be positive integers, got "
                                  f"{self.batch_sizes!r}")
             object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
+        if self.verify_widths is not None:
+            ws = tuple(self.verify_widths)
+            if not ws or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
+                             for w in ws):
+                raise ValueError(f"RunnerConfig.verify_widths must be positive integers, got "
+                                 f"{self.verify_widths!r}")
+            object.__setattr__(self, "verify_widths", ws)
 
 
 def _switch(name: str, want: bool) -> bool:
@@ -161,15 +177,18 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
 @dataclass(slots=True, eq=False)
 class InFlight:
     """A decode step submitted to the device (:meth:`ModelRunner.submit`), in flight until
-    collected: its padded batch ``b``, its ``n`` rows and its pinned staging slot."""
+    collected: its padded batch ``b``, its ``n`` rows, its pinned staging slot, its verify
+    ``width`` and whether its device time was recorded for the width policy (``timed``)."""
     b: int
     n: int
     slot: int
+    width: int = 1
+    timed: bool = False
 
 
 @dataclass(slots=True)
 class _Plans:
-    verify: AttentionMetadata
+    verify: dict[int, AttentionMetadata]      # by verify width
     block: AttentionMetadata | None
     causal: AttentionMetadata | None
     splits: tuple[int, int, int]
@@ -216,6 +235,9 @@ class ModelRunner:
         self.ladder = config.batch_sizes or default_ladder(max_batch_size)
         if self.ladder[-1] < max_batch_size and self.use_graphs:
             self.ladder = tuple(sorted(set(self.ladder) | {max_batch_size}))
+        #: verify widths (widest first) and the policy choosing one per step
+        self.widths = self._widths(config)
+        self.width_policy = WidthPolicy(B, self.widths)
         # Persistent device buffers (graphs read these addresses on every replay). ``small``
         # holds, per row, the pending token, the committed length (-1: padding row) and the
         # block length, then the three plans' split lengths; the step's first kernel
@@ -228,6 +250,8 @@ class ModelRunner:
         self.tok, self.start = self._small[:mb], self._small[mb:2 * mb]
         self.qlen = self._small[2 * mb:3 * mb]
         self.qlen32 = torch.zeros(mb, dtype=torch.int32, device=dev)
+        # the verify plan's query lengths: min(block length, verify width)
+        self.qlenv32 = torch.zeros(mb, dtype=torch.int32, device=dev)
         self.split_tokens = self._small[3 * mb:]
         self._in = torch.zeros(5 * mb, dtype=torch.int64, device=dev)
         self.min_split_tokens = config.min_split_tokens
@@ -238,15 +262,18 @@ class ModelRunner:
         self.block_tables = torch.zeros((mb, self.max_pages), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros((3, mb), dtype=torch.int32, device=dev)
         self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
-        self.out = torch.zeros((mb, B + 1), dtype=torch.int32, device=dev)
+        # per row: the target's tokens, the count produced, the positions verified
+        self.out = torch.zeros((mb, B + 2), dtype=torch.int32, device=dev)
         self._offs = torch.arange(B, dtype=torch.int64, device=dev)
-        self._qsl = (torch.arange(mb + 1, dtype=torch.int32, device=dev) * B)
+        self._qsl_block = torch.arange(mb + 1, dtype=torch.int32, device=dev) * B
+        self._qsls = {w: torch.arange(mb + 1, dtype=torch.int32, device=dev) * w
+                      for w in self.widths}
         # Pinned staging, two slots: a submitted step's copies may still be queued while the
         # host stages the next one (overlapped steps).
         pin = dev.type == "cuda"
         self._h_in = torch.zeros((2, 5 * mb), dtype=torch.int64, pin_memory=pin)
         self._h_bt = torch.zeros((2, mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
-        self._h_out = torch.zeros((2, mb, B + 1), dtype=torch.int32, pin_memory=pin)
+        self._h_out = torch.zeros((2, mb, B + 2), dtype=torch.int32, pin_memory=pin)
         self._his, self._hbts, self._hos = (self._h_in.numpy(), self._h_bt.numpy(),
                                             self._h_out.numpy())
         self._hbt = self._hbts[0]         # the last staged slot's block tables
@@ -262,8 +289,13 @@ class ModelRunner:
                       else None)
         self._events = ([[torch.cuda.Event(enable_timing=True) for _ in range(3)]
                          for _ in range(2)] if config.timing and dev.type == "cuda" else None)
+        # the adaptive width's step timer (start, end per slot), with graphs only
+        self._width_ev = ([[torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                           for _ in range(2)]
+                          if self.width_policy.adaptive and self.use_graphs else None)
         self._plans: dict[int, _Plans] = {}
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        #: (stage, padded batch, verify width) -> graph
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self.graph_pool_bytes = 0
         self.timing = StepTiming()
         self.general = GeneralPath(target, drafter, pool, mgr, arena=arena, generator=generator,
@@ -271,10 +303,24 @@ class ModelRunner:
                                    timing=self.timing if self._events is not None else None)
         self._stats = {"decode_steps": 0, "graph_steps": 0, "general_steps": 0}
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
         """Steps so far: ``decode_steps`` (of which ``graph_steps`` replayed graphs) and
-        ``general_steps``."""
-        return dict(self._stats)
+        ``general_steps``; the verify widths, the width last chosen per batch size and the
+        drafts' estimated acceptance by position (:class:`~.verify_width.WidthPolicy`)."""
+        out: dict = dict(self._stats)
+        if self.drafter is not None:
+            out.update(self.width_policy.stats())
+        return out
+
+    def _widths(self, config: RunnerConfig) -> tuple[int, ...]:
+        if self.drafter is None:
+            return (1,)
+        env = os.environ.get(WIDTHS_ENV, "").strip()
+        if env:
+            return parse_widths(env, self.B, WIDTHS_ENV)
+        if config.verify_widths is not None:
+            return parse_widths(config.verify_widths, self.B, "RunnerConfig.verify_widths")
+        return default_widths(self.B) if self.use_graphs else (self.B,)
 
     @staticmethod
     def workspace_bytes(target, drafter, max_batch: int, block_size: int,
@@ -308,14 +354,19 @@ class ModelRunner:
         step = self._split_step
         return math.ceil(math.ceil(max(longest, 1) / splits) / step) * step
 
-    def _meta(self, b: int, which: int, causal: bool, splits: int) -> AttentionMetadata:
+    def _meta(self, b: int, which: int, causal: bool, splits: int, width: int | None = None
+              ) -> AttentionMetadata:
+        """A decode-path plan over the persistent buffers: the draft block's (``width``
+        ``None``: ``B`` query rows per sequence) or the verify step's at ``width``."""
+        w = self.B if width is None else width
+        qsl = self._qsl_block if width is None else self._qsls[w]
         return AttentionMetadata(
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[which, :b],
-            query_start_loc=self._qsl[:b + 1], max_query_len=self.B,
+            query_start_loc=qsl[:b + 1], max_query_len=w,
             max_seq_len=self.max_seq_len, causal=causal, page_size=self.P, num_splits=splits,
             tokens_per_split=self._split_len(self.max_seq_len, splits),
-            query_lens_host=[self.B] * b, split_tokens=self.split_tokens[which:which + 1],
-            query_lens=self.qlen32[:b])
+            query_lens_host=[w] * b, split_tokens=self.split_tokens[which:which + 1],
+            query_lens=self.qlenv32[:b] if width is not None else self.qlen32[:b])
 
     def plans(self, b: int) -> _Plans:
         """The decode path's attention plans for ``b`` rows over the persistent buffers."""
@@ -331,7 +382,8 @@ class ModelRunner:
                 block = self._meta(b, 1, False, sb)
                 if any(self.drafter.cfg.layer_causal):
                     causal = self._meta(b, 2, True, sc)
-            p = self._plans[b] = _Plans(self._meta(b, 0, True, sv), block, causal, (sv, sb, sc))
+            verify = {w: self._meta(b, 0, True, sv, width=w) for w in self.widths}
+            p = self._plans[b] = _Plans(verify, block, causal, (sv, sb, sc))
         return p
 
     # -- entry ------------------------------------------------------------------------------------
@@ -416,9 +468,15 @@ class ModelRunner:
                 e = self._events[h.slot]
                 self.timing.draft_s += e[0].elapsed_time(e[1]) / 1e3
                 self.timing.target_s += e[1].elapsed_time(e[2]) / 1e3
+            if h.timed:
+                e = self._width_ev[h.slot]
+                self.width_policy.observe_time(h.b, h.width, e[0].elapsed_time(e[1]))
         self._uncollected[h.slot] = None
         B = self.B
-        return [r[:r[B]] for r in self._hos[h.slot, :h.n].tolist()]
+        rows = self._hos[h.slot, :h.n]
+        if self.width_policy.adaptive:
+            self.width_policy.observe(rows[:, B], rows[:, B + 1])
+        return [r[:r[B]] for r in rows.tolist()]
 
     def drop(self, h: InFlight) -> None:
         """Wait for a submitted step without reading its tokens (nothing once collected)."""
@@ -432,24 +490,31 @@ class ModelRunner:
         return slot
 
     def _run(self, b: int, n: int, slot: int) -> InFlight:
-        """Replay (or run) the step's draft and verify, then queue its one D2H copy."""
+        """Replay (or run) the step's draft and verify at the width the policy picks for
+        ``b``, then queue its one D2H copy."""
         ev = self._events[slot] if self._events is not None else None
+        w = self.width_policy.choose(b)
+        use = self.use_graphs and ("verify", b, w) in self.graphs
+        wev = self._width_ev[slot] if self._width_ev is not None and use else None
+        if wev is not None:
+            wev[0].record()
         if ev is not None:
             ev[0].record()
-        use = self.use_graphs and ("verify", b) in self.graphs
         if self.drafter is not None:
-            self.graphs[("draft", b)].replay() if use else self._draft_fn(b)
+            self.graphs[("draft", b, w)].replay() if use else self._draft_fn(b, w)
         if ev is not None:
             ev[1].record()
-        self.graphs[("verify", b)].replay() if use else self._verify_fn(b)
+        self.graphs[("verify", b, w)].replay() if use else self._verify_fn(b, w)
         if ev is not None:
             ev[2].record()
+        if wev is not None:
+            wev[1].record()
         self._stats["decode_steps"] += 1
         self._stats["graph_steps"] += int(use)
         self._h_out[slot, :b].copy_(self.out[:b], non_blocking=True)
         if self._done is not None:
             self._done[slot].record()
-        h = self._last = self._uncollected[slot] = InFlight(b, n, slot)
+        h = self._last = self._uncollected[slot] = InFlight(b, n, slot, w, wev is not None)
         return h
 
     def _stage(self, items: list[StepItem], b: int) -> int:
@@ -501,24 +566,29 @@ class ModelRunner:
         assemble_step_inputs(self._in, self._small, self.qlen32, self.out, b, self.B,
                              self.plans(b).splits, self._split_step)
 
-    def _positions(self, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Positions ``[b*B]``, slots ``[b, B]`` (-1 on padding rows and past a row's block
-        length), the valid-row mask, the clamped committed lengths and the block lengths, all
-        computed on the device (the block lengths also into the plans' int32 copy)."""
+    def _positions(self, b: int, width: int | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Positions ``[b*W]``, slots ``[b, W]`` (-1 on padding rows and past a row's block
+        length) for ``W = width`` positions per row (default ``B``), the valid-row mask, the
+        clamped committed lengths and the block lengths, all computed on the device."""
         start, qlen = self.start[:b], self.qlen[:b]
+        offs = self._offs if width is None else self._offs[:width]
         valid = start >= 0
         s0 = start.clamp_min(0)
-        pos = s0[:, None] + self._offs[None, :]
+        pos = s0[:, None] + offs[None, :]
         # Rows past a shortened block may lie past the block table: clamp (their slot is -1).
         page_of = (pos // self.P).clamp_max(self.max_pages - 1)
         page = torch.gather(self.block_tables[:b], 1, page_of).to(torch.int64)
-        used = valid[:, None] & (self._offs[None, :] < qlen[:, None])
+        used = valid[:, None] & (offs[None, :] < qlen[:, None])
         slots = torch.where(used, page * self.P + pos % self.P, -1)
         return pos.reshape(-1), slots, valid, s0, qlen
 
-    def _draft_fn(self, b: int) -> None:
-        """Draft ``B-1`` greedy tokens per row into ``self.drafts`` (captured as a graph)."""
+    def _draft_fn(self, b: int, width: int | None = None) -> None:
+        """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): the block
+        of ``B`` positions runs through the drafter, the LM head only over the ``width - 1``
+        drafts the verify step of that width reads (default: all ``B - 1``)."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
+        w = B if width is None else width
         self._assemble(b)
         pos, slots, valid, s0, qlen = self._positions(b)
         plans = self.plans(b)
@@ -533,41 +603,46 @@ class ModelRunner:
         attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block,
                                               plans.causal, slots.reshape(-1),
                                               impl=self.attn_impl)
-        h = d(noise, pos, attn).view(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
-        self.drafts[:b, :B - 1].copy_(
-            self._greedy(h.to(self.target.dtype), drafter=True).view(b, B - 1))
+        h = d(noise, pos, attn).view(b, B, -1)[:, 1:w].reshape(b * (w - 1), -1)
+        self.drafts[:b, :w - 1].copy_(
+            self._greedy(h.to(self.target.dtype), drafter=True).view(b, w - 1))
 
-    def _verify_fn(self, b: int) -> None:
-        """Verify ``B`` positions per row, accept greedily, write the draft context of the
-        committed rows; leaves ``[target tokens, count]`` in ``self.out`` (captured)."""
+    def _verify_fn(self, b: int, width: int | None = None) -> None:
+        """Verify ``width`` positions per row (default ``B``): the pending token and the first
+        ``width - 1`` drafts; accept greedily, write the draft context of the committed rows;
+        leaves ``[target tokens, count, positions verified]`` in ``self.out`` (captured)."""
         B = self.B
+        W = B if width is None else width
         if self.drafter is None:
             self._assemble(b)
-        pos, slots, valid, s0, qlen = self._positions(b)
+        pos, slots, valid, s0, qlen = self._positions(b, W)
         plans = self.plans(b)
+        qlen = qlen.clamp_max(W)
+        self.qlenv32[:b].copy_(qlen)
         self.seq_lens[0, :b].copy_(torch.where(valid, s0 + qlen, 0))
         if self.drafter is not None:
-            ids = torch.cat([self.tok[:b, None], self.drafts[:b, :B - 1]], 1)
+            ids = torch.cat([self.tok[:b, None], self.drafts[:b, :W - 1]], 1)
         else:
             ids = self.tok[:b, None]
-        hidden, cap = self.target(ids.reshape(-1), pos, plans.verify, slots.reshape(-1),
+        hidden, cap = self.target(ids.reshape(-1), pos, plans.verify[W], slots.reshape(-1),
                                   self.pool.kv["target"], capture_layers=self.taps,
                                   attn_impl=self.attn_impl)
-        tgt = self._greedy(hidden).view(b, B)
+        tgt = self._greedy(hidden).view(b, W)
         if self.drafter is not None:
             # Drafts equal the target's tokens up to the first mismatch, so the produced tokens
             # are the target's first acc + 1; their inputs (rows 0..acc) are committed. A
             # shortened block of n rows accepts at most n - 1 drafts.
-            acc = (self.drafts[:b, :B - 1] == tgt[:, :-1]).to(torch.int32).cumprod(1).sum(1)
+            acc = (self.drafts[:b, :W - 1] == tgt[:, :-1]).to(torch.int32).cumprod(1).sum(1)
             acc = torch.minimum(acc, (qlen - 1).clamp_min(0).to(torch.int32))
-            keep = self._offs[None, :] <= acc[:, None]
+            keep = self._offs[None, :W] <= acc[:, None]
             self.drafter.write_context(torch.cat(cap, -1), pos,
                                        torch.where(keep, slots, -1).reshape(-1),
                                        self.pool.kv["draft"], impl=self.attn_impl)
             self.out[:b, B].copy_(acc + 1)
         else:
             self.out[:b, B].fill_(1)
-        self.out[:b, :B].copy_(tgt)
+        self.out[:b, B + 1].copy_(torch.where(valid, qlen, 0))
+        self.out[:b, :W].copy_(tgt)
 
     def _greedy(self, hidden: Tensor, drafter: bool = False) -> Tensor:
         """Argmax token of each row's logits (``[T, hidden]`` -> ``[T]`` int64).
@@ -586,8 +661,9 @@ class ModelRunner:
 
     # -- CUDA graphs --------------------------------------------------------------------------------
     def capture(self) -> None:
-        """Capture draft and verify graphs for every ladder size, largest first, into one
-        memory pool (``graph_pool_bytes`` says how much it took)."""
+        """Capture draft and verify graphs for every ladder size and verify width, largest
+        first, into one memory pool (``graph_pool_bytes`` says how much it took); with more
+        than one width, time each size's graphs per width (:meth:`_time_widths`)."""
         if not self.use_graphs or self.graphs:
             return
         mb = self.max_batch
@@ -603,22 +679,43 @@ class ModelRunner:
         stream = torch.cuda.Stream(self.device)
         with torch.inference_mode():
             for b in sorted(self.ladder, reverse=True):
-                stages = [("verify", self._verify_fn)]
-                if self.drafter is not None:
-                    stages.insert(0, ("draft", self._draft_fn))
-                for name, fn in stages:
-                    # Warm-up outside capture: Triton compiles, the split counters exist.
-                    stream.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(stream):
-                        fn(b)
-                    torch.cuda.current_stream(self.device).wait_stream(stream)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool, stream=stream):
-                        fn(b)
-                    pool = g.pool() if pool is None else pool
-                    self.graphs[(name, b)] = g
+                for w in self.widths:
+                    stages = [("verify", self._verify_fn)]
+                    if self.drafter is not None:
+                        stages.insert(0, ("draft", self._draft_fn))
+                    for name, fn in stages:
+                        # Warm-up outside capture: Triton compiles, the split counters exist.
+                        stream.wait_stream(torch.cuda.current_stream(self.device))
+                        with torch.cuda.stream(stream):
+                            fn(b, w)
+                        torch.cuda.current_stream(self.device).wait_stream(stream)
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=pool, stream=stream):
+                            fn(b, w)
+                        pool = g.pool() if pool is None else pool
+                        self.graphs[(name, b, w)] = g
         torch.cuda.synchronize(self.device)
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - before
+        if self.width_policy.adaptive:
+            self._time_widths()
+
+    def _time_widths(self, reps: int = 5) -> None:
+        """Each ladder size's draft + verify replay time per width (median of ``reps`` after
+        one, CUDA events; every row padding, so no context is read): the policy's ``T(b,
+        V)`` before steps at real contexts correct it."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        for b in self.ladder:
+            for w in self.widths:
+                times = []
+                for _ in range(reps + 1):
+                    ev[0].record()
+                    if self.drafter is not None:
+                        self.graphs[("draft", b, w)].replay()
+                    self.graphs[("verify", b, w)].replay()
+                    ev[1].record()
+                    ev[1].synchronize()
+                    times.append(ev[0].elapsed_time(ev[1]))
+                self.width_policy.capture_ms[(b, w)] = sorted(times[1:])[reps // 2]
 
     def _general(self, items: list[StepItem]) -> list[list[int]]:
         """The general path (:class:`~.general.GeneralPath`)."""

@@ -265,7 +265,7 @@ def test_split_plans_follow_min_split_tokens(ckpts):
         assert run._split_len(8192 + 16, want) == 32 * -(-(8192 + 16) // (32 * want))
         assert run._split_len(1024 + 16, want) == 32 * -(-(1024 + 16) // (32 * want))
         assert run._split_len(100, want) == 32
-        assert run.plans(2).verify.tokens_per_split >= m
+        assert run.plans(2).verify[run.B].tokens_per_split >= m
     assert run._split_len(8192 + 16, 64) == 160 and run._split_len(1040, 34) == 32
     windowed = LLM(ckpts["agree"][0], ckpts["sliding"][0], CacheConfig(
         page_size=4, max_seq_len=96, max_batch_size=2, target_codec="identity",

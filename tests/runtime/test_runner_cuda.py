@@ -1,5 +1,6 @@
 """CUDA graphs of the model runner: replay equals the eager path bit for bit (tokens, acceptance
-lengths, K/V of both groups), and graphs on/off engines generate the same tokens."""
+lengths, K/V of both groups) at every verify width, and graphs on/off engines generate the same
+tokens; the verify widths are captured and timed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
 from kvstrata.runtime.runner import StepItem
+from kvstrata.runtime.verify_width import WidthPolicy, default_widths
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -25,13 +27,22 @@ def _llm(ckpts, drafter=True, dtype="bfloat16", **kw):
     return llm
 
 
-@pytest.mark.parametrize("drafter", [True, False])
-def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
-    """Full and shortened blocks (per-row block lengths in the captured plans) alike."""
+def _pin(llm, width=None):
+    """Every step of ``llm`` at one verify width (default: the block)."""
+    llm.runner.width_policy = WidthPolicy(llm.runner.B, (width or llm.runner.B,))
+
+
+@pytest.mark.parametrize("drafter,narrow", [(True, False), (True, True), (False, False)])
+def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter, narrow):
+    """Full and shortened blocks (per-row block lengths in the captured plans) alike, at the
+    full verify width and the narrowest."""
     llm = _llm(ckpts, drafter)
     run = llm.runner
     assert run.graphs and run.ladder == (1, 2, 4, 8)
     B = llm.block_size
+    W = run.widths[-1] if narrow else B
+    assert W < B or not narrow
+    _pin(llm, W)
     short = {1: [3, 3], 4: [B, 2, 1, B, 3]}     # step -> block lengths (others: full)
     reqs = llm.prefill(PROMPTS, SamplingParams(max_tokens=100))
     for step, sel in enumerate(([0, 1, 2, 3, 4], [4, 2], [1], [0, 1, 2, 3, 4], [3, 0, 2])):
@@ -53,7 +64,7 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
         finally:
             run.use_graphs = True
         assert graph == eager, f"step {step}"
-        assert all(1 <= len(t) <= n for t, n in zip(graph, ns))
+        assert all(1 <= len(t) <= min(n, W) for t, n in zip(graph, ns))
         for g in llm.pool.kv:
             assert torch.equal(llm.pool.kv[g], kv_graph[g]), f"step {step}, group {g}"
         for r, new in zip(rs, graph):
@@ -67,12 +78,28 @@ def test_graph_replay_is_bit_identical_to_eager(ckpts, drafter):
 
 
 def test_engine_with_graphs_equals_without(ckpts):
+    """Graphs on (at the full verify width, and with the adaptive widths) and off generate the
+    same tokens, and the same acceptance lengths at the same width; every ladder size's
+    widths were captured and timed."""
     sp = SamplingParams(max_tokens=40)
     on = _llm(ckpts, dtype="float32")
+    B = on.block_size
+    _pin(on)
+    adaptive = _llm(ckpts, dtype="float32")
     off = _llm(ckpts, dtype="float32", runner=RunnerConfig(cuda_graphs=False))
     a, b = on.generate(PROMPTS, sp), off.generate(PROMPTS, sp)
     assert [(o.token_ids, o.acceptance_lengths) for o in a] == \
         [(o.token_ids, o.acceptance_lengths) for o in b]
+    c = adaptive.generate(PROMPTS, sp)
+    assert [o.token_ids for o in c] == [o.token_ids for o in a]
+    run = adaptive.runner
+    assert run.widths == default_widths(B) and len(run.widths) > 1
+    assert set(run.width_policy.capture_ms) == {(n, w) for n in run.ladder for w in run.widths}
+    assert set(run.graphs) == {(g, n, w) for g in ("draft", "verify") for n in run.ladder
+                               for w in run.widths}
+    st = adaptive.stats()["runner"]
+    assert st["verify_widths"] == list(run.widths) and st["verify_width_by_batch"]
+    assert run.width_policy.extra_ms                     # the steps' device times were read
     st = on.stats()["runner"]
     assert st["cuda_graphs"] and st["graph_steps"] > 0 and st["graph_pool_bytes"] >= 0
     assert off.stats()["runner"]["graph_steps"] == 0
@@ -89,6 +116,7 @@ def test_continued_step_equals_host_staged_step(ckpts, drafter):
     results = {}
     for mode in ("host", "graph"):
         llm = _llm(ckpts, drafter)
+        _pin(llm)
         run, B = llm.runner, llm.block_size
         reqs = llm.prefill(PROMPTS, SamplingParams(max_tokens=100))
         items = [StepItem(r.seq_id, r.num_computed, B, [r.tokens[-1]], True, r.params)
@@ -125,6 +153,7 @@ def test_engine_overlapped_equals_synchronous(ckpts):
     outs = {}
     for ov in (True, False):
         llm = _llm(ckpts, dtype="float32", runner=RunnerConfig(overlap=ov))
+        _pin(llm)
         outs[ov] = [(o.token_ids, o.acceptance_lengths) for o in llm.generate(PROMPTS, sp)]
         assert llm.stats()["pool"]["in_use"] == 0
     assert outs[True] == outs[False]

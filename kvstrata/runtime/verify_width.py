@@ -1,0 +1,160 @@
+"""How many positions a speculative decode step verifies per sequence: the *verify width*.
+
+The DFlash drafter proposes ``B - 1`` tokens per sequence in one forward; the target then
+verifies the pending token and the first ``V - 1`` drafts (``V <= B``) in one forward of
+``b * V`` rows. Greedy acceptance keeps every output token the target's own for any ``V``;
+``V`` only moves how many tokens a step produces and what it costs:
+
+- at batch 1 a step reads every weight once whatever ``V`` is (memory-bound), so ``V = B``
+  costs almost nothing over ``V = 4``;
+- at batch 16-64 the verify products are compute-bound (1024 rows at batch 64): their time
+  grows with ``b * V``, while a sequence gains ever less from drafts deep in the block, each
+  accepted only if every earlier one was.
+
+:class:`WidthPolicy` picks, per captured batch size ``b``, the width with the most expected
+tokens per unit of device time::
+
+    E(V) = sum_{k=0}^{V-1} prod_{j=1}^{k} p_j     (the bonus token, then accepted drafts)
+    V*   = argmax_V E(V) / T(b, V)
+
+``p_j`` is the probability that draft ``j`` is accepted when drafts ``1 .. j-1`` were,
+counted from the steps' results. A position a step did not verify is not a trial (the counts
+are censored at each step's width), and an untried position counts as accepted (``(a + 1) /
+(t + 1)``), so a new engine starts at the full width and narrows on evidence. One step in
+:attr:`WidthPolicy.explore_every` of a narrowed batch size runs at the full width, so the
+deep positions' counts follow a change of workload. ``T(b, V)`` is the device time of the
+step's graphs measured at capture (every row padding: the products, the LM heads, no
+context), plus, per batch size, a running mean of what the steps the engine ran took beyond
+their capture time (attention over the real contexts: about the same for every width).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: ``KVSTRATA_VERIFY_WIDTHS``: the verify widths the runner captures, comma-separated (e.g.
+#: ``16`` pins the full block); overrides :attr:`~.runner.RunnerConfig.verify_widths`.
+WIDTHS_ENV = "KVSTRATA_VERIFY_WIDTHS"
+
+
+def default_widths(block: int) -> tuple[int, ...]:
+    """The full block, half and a quarter of it (at least 2 positions), widest first."""
+    return tuple(sorted({w for w in (block, block // 2, block // 4) if w >= 2} | {block},
+                        reverse=True))
+
+
+def parse_widths(value, block: int, source: str) -> tuple[int, ...]:
+    """Validated widths, widest first: integers in ``[2, block]`` (``[1, 1]`` without a
+    drafter). ``value``: an iterable of ints or a comma-separated string."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        try:
+            ws = [int(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"{source}={value!r}: comma-separated integers, e.g. "
+                             f"'{block}' or '{','.join(map(str, default_widths(block)))}'"
+                             ) from None
+    else:
+        ws = list(value)
+        if any(not isinstance(w, int) or isinstance(w, bool) for w in ws):
+            raise ValueError(f"{source} must be integers, got {value!r}")
+    lo = min(2, block)
+    if not ws or any(not lo <= w <= block for w in ws):
+        raise ValueError(f"{source}={value!r}: verify widths are {lo}..{block} positions (the "
+                         f"draft block is {block})")
+    return tuple(sorted(set(ws), reverse=True))
+
+
+class WidthPolicy:
+    """Chooses each decode step's verify width (see the module docstring).
+
+    Args:
+        block: the draft block size ``B``.
+        widths: the captured widths, widest first.
+        explore_every: one step in this many of a batch size whose best width is narrower
+            than the widest runs at the widest.
+        halve_at: the acceptance counts are halved when the first position's trials reach
+            this, so they follow the recent workload.
+    """
+
+    def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 64,
+                 halve_at: int = 1 << 15):
+        self.block, self.widths = block, tuple(widths)
+        self.explore_every, self.halve_at = explore_every, halve_at
+        self.trials = np.zeros(block, dtype=np.float64)     # index j: draft j (1 .. B-1)
+        self.accepts = np.zeros(block, dtype=np.float64)
+        self.capture_ms: dict[tuple[int, int], float] = {}
+        self.extra_ms: dict[int, float] = {}
+        self._steps: dict[int, int] = {}
+        self.chosen: dict[int, int] = {}
+        self._j = np.arange(block)[None, :]
+
+    @property
+    def adaptive(self) -> bool:
+        return len(self.widths) > 1
+
+    # -- evidence ------------------------------------------------------------------------------
+    def observe(self, produced: np.ndarray, verified: np.ndarray) -> None:
+        """One step's rows: ``produced`` tokens (accepted drafts + 1) and ``verified``
+        positions (``min(V, block length)``; 0 for a padding row)."""
+        if not self.adaptive or produced.size == 0:
+            return
+        L = produced.astype(np.int64)[:, None]
+        tried = (self._j >= 1) & (self._j <= verified.astype(np.int64)[:, None] - 1)
+        self.trials += (tried & (L >= self._j)).sum(0)
+        self.accepts += (tried & (L >= self._j + 1)).sum(0)
+        if self.trials[1 if self.block > 1 else 0] >= self.halve_at:
+            self.trials *= 0.5
+            self.accepts *= 0.5
+
+    def observe_time(self, b: int, width: int, ms: float) -> None:
+        """A step's measured device time: the running mean of its excess over the capture
+        time (``T(b, V)`` = capture time + that mean)."""
+        base = self.capture_ms.get((b, width))
+        if base is None or not np.isfinite(ms):
+            return
+        d = ms - base
+        prev = self.extra_ms.get(b)
+        self.extra_ms[b] = d if prev is None else 0.9 * prev + 0.1 * d
+
+    # -- model ----------------------------------------------------------------------------------
+    def acceptance(self) -> np.ndarray:
+        """``p_j`` for drafts ``j = 1 .. B-1`` (an untried position counts as accepted)."""
+        return (self.accepts[1:] + 1.0) / (self.trials[1:] + 1.0)
+
+    def expected_tokens(self, width: int) -> float:
+        """``E(V)``: tokens a sequence's step produces on average at this width."""
+        p = self.acceptance()[:width - 1]
+        return float(1.0 + np.cumprod(p).sum())
+
+    def step_ms(self, b: int, width: int) -> float | None:
+        base = self.capture_ms.get((b, width))
+        return None if base is None else max(base + self.extra_ms.get(b, 0.0), 1e-6)
+
+    def best(self, b: int) -> int:
+        """The width with the most expected tokens per millisecond at batch ``b`` (the widest
+        while any width of ``b`` has no measured time)."""
+        times = [self.step_ms(b, w) for w in self.widths]
+        if not self.adaptive or any(t is None for t in times):
+            return self.widths[0]
+        rate = [self.expected_tokens(w) / t for w, t in zip(self.widths, times)]
+        return self.widths[int(np.argmax(rate))]
+
+    def choose(self, b: int) -> int:
+        """The width of the next step at batch ``b`` (:meth:`best`, or the widest on an
+        exploration step)."""
+        w = self.best(b)
+        self.chosen[b] = w
+        if w != self.widths[0]:
+            n = self._steps[b] = self._steps.get(b, 0) + 1
+            if n % self.explore_every == 0:
+                return self.widths[0]
+        return w
+
+    def stats(self) -> dict:
+        return {"verify_widths": list(self.widths),
+                "verify_width_by_batch": {int(b): int(w) for b, w in sorted(self.chosen.items())},
+                "draft_acceptance": [round(float(p), 4) for p in self.acceptance()]}
+
+
+__all__ = ["WIDTHS_ENV", "WidthPolicy", "default_widths", "parse_widths"]

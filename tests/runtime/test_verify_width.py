@@ -1,0 +1,157 @@
+"""The verify width (runtime/verify_width.py, the runner's decode path): the policy's censored
+acceptance counts, its expected tokens, its choice against step times, its exploration; and in
+the engine, a narrower verify width produces the tokens of the full one (greedy acceptance
+keeps every token the target's), never more per step than it verifies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
+from kvstrata.runtime.verify_width import (WIDTHS_ENV, WidthPolicy, default_widths,
+                                           parse_widths)
+
+PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)]
+
+
+def test_default_and_parsed_widths():
+    assert default_widths(16) == (16, 8, 4)
+    assert default_widths(4) == (4, 2)
+    assert default_widths(2) == (2,) and default_widths(1) == (1,)
+    assert parse_widths("4, 16,8,16", 16, WIDTHS_ENV) == (16, 8, 4)
+    assert parse_widths([2], 4, "cfg") == (2,)
+    assert parse_widths([1], 1, "cfg") == (1,)                 # no drafter: one position
+    for bad, match in (("16,x", "comma-separated integers"), ("1", r"2\.\.16"),
+                       ("17", r"2\.\.16"), ("", r"2\.\.16")):
+        with pytest.raises(ValueError, match=match):
+            parse_widths(bad, 16, WIDTHS_ENV)
+    with pytest.raises(ValueError, match="integers"):
+        parse_widths([4.0], 16, "cfg")
+    with pytest.raises(ValueError, match="positive integers"):
+        RunnerConfig(verify_widths=(0, 4))
+    assert RunnerConfig(verify_widths=[8, 4]).verify_widths == (8, 4)
+
+
+def test_censored_counts():
+    """A step's rows count as trials only at the positions they verified: a row that produced
+    everything it verified observed no rejection (censored), one that produced fewer observed
+    one at the next position; padding rows (0 verified) count nothing."""
+    pol = WidthPolicy(8, (8, 4))
+    pol.observe(np.array([3, 4, 1, 2]), np.array([8, 4, 8, 0]))
+    # row 0: drafts 1, 2 accepted, 3 rejected; row 1: 1..3 accepted (all it verified);
+    # row 2: draft 1 rejected; row 3: padding
+    assert pol.trials[1:].tolist() == [3, 2, 2, 0, 0, 0, 0]
+    assert pol.accepts[1:].tolist() == [2, 2, 1, 0, 0, 0, 0]
+    p = pol.acceptance()
+    assert p[:3].tolist() == pytest.approx([3 / 4, 3 / 3, 2 / 3])
+    assert p[3:].tolist() == [1.0] * 4                        # untried: counted as accepted
+    assert pol.expected_tokens(1 + 1) == pytest.approx(1 + 0.75)
+    assert pol.expected_tokens(4) == pytest.approx(1 + 0.75 + 0.75 + 0.5)
+
+
+@given(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 16)), min_size=1, max_size=40))
+def test_counts_match_a_row_by_row_count(rows):
+    pol = WidthPolicy(16, (16, 8, 4))
+    produced = np.array([min(p, max(v, 1)) for p, v in rows])
+    verified = np.array([v for _, v in rows])
+    pol.observe(produced, verified)
+    t, a = np.zeros(16), np.zeros(16)
+    for L, v in zip(produced, verified):
+        for j in range(1, v):                       # drafts 1 .. v-1 were verified
+            if L >= j:                              # reached draft j
+                t[j] += 1
+                a[j] += L >= j + 1
+    assert pol.trials.tolist() == t.tolist() and pol.accepts.tolist() == a.tolist()
+
+
+def _geometric(pol: WidthPolicy, p: float, n: int = 4000) -> None:
+    """Counts as if every draft were accepted with probability ``p``, independently."""
+    for j in range(1, pol.block):
+        pol.trials[j] = n * p ** (j - 1)
+        pol.accepts[j] = n * p ** j
+
+
+def test_choice_follows_expected_tokens_per_millisecond():
+    pol = WidthPolicy(16, (16, 8, 4))
+    assert pol.best(64) == 16                         # no timing yet: the widest
+    # batch 64: compute-bound verify (ms roughly with the rows); batch 1: flat
+    pol.capture_ms.update({(64, 16): 35.0, (64, 8): 20.0, (64, 4): 12.0,
+                           (1, 16): 6.0, (1, 8): 5.9, (1, 4): 5.85})
+    assert pol.best(64) == 16                         # untried drafts count as accepted
+    _geometric(pol, 0.8)
+    e = [pol.expected_tokens(w) for w in (16, 8, 4)]
+    assert e == pytest.approx([(1 - 0.8 ** w) / 0.2 for w in (16, 8, 4)], rel=1e-3)
+    assert pol.best(64) == 4 and pol.best(1) == 16
+    _geometric(pol, 0.93)
+    assert pol.best(64) == 8 and pol.best(1) == 16
+    # measured steps 30 ms beyond the capture time (long contexts): the products matter less
+    for _ in range(200):
+        pol.observe_time(64, 8, 50.0)
+    assert pol.extra_ms[64] == pytest.approx(30.0, rel=1e-3)
+    assert pol.best(64) == 16
+    assert pol.stats()["verify_widths"] == [16, 8, 4]
+
+
+def test_exploration_and_halving():
+    pol = WidthPolicy(16, (16, 4), explore_every=4, halve_at=100)
+    pol.capture_ms.update({(8, 16): 10.0, (8, 4): 2.0})
+    _geometric(pol, 0.5, n=60)
+    chosen = [pol.choose(8) for _ in range(8)]
+    assert chosen == [4, 4, 4, 16, 4, 4, 4, 16]
+    assert pol.stats()["verify_width_by_batch"] == {8: 4}
+    pol.observe(np.array([16] * 50), np.array([16] * 50))    # trials of draft 1 reach 110
+    assert pol.trials[1] == pytest.approx(55.0)
+    assert WidthPolicy(4, (4,)).choose(1) == 4                # one width: never explores
+
+
+def _llm(ckpts, widths=None):
+    cache = CacheConfig(page_size=4, max_seq_len=96, max_batch_size=8, target_codec="identity",
+                        draft_codec="identity")
+    llm = LLM(ckpts["agree"][0], ckpts["drafter"][0], cache,
+              runner=RunnerConfig(verify_widths=widths))
+    for t in llm.pool.kv.values():
+        t.zero_()
+    return llm
+
+
+def test_narrow_widths_produce_the_full_widths_tokens(ckpts, monkeypatch):
+    """Greedy: the tokens do not depend on the verify width; a step produces at most as many
+    tokens as it verifies; the runner reports its widths and the drafts' acceptance."""
+    monkeypatch.delenv(WIDTHS_ENV, raising=False)
+    sp = SamplingParams(max_tokens=40)
+    full = _llm(ckpts)
+    B = full.block_size
+    assert B >= 4 and full.runner.widths == (B,)       # the CPU default: the block
+    ref = full.generate(PROMPTS, sp)
+    for w in (2, B // 2):
+        llm = _llm(ckpts, (w,))
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref], f"width {w}"
+        steps = [a for o in outs for a in o.acceptance_lengths]
+        assert max(steps) <= w and max(a for o in ref for a in o.acceptance_lengths) > w
+        st_ = llm.stats()["runner"]
+        assert st_["verify_widths"] == [w] and st_["decode_steps"] > 0
+    monkeypatch.setenv(WIDTHS_ENV, "2")
+    assert _llm(ckpts, (B,)).runner.widths == (2,)       # the environment wins
+    monkeypatch.setenv(WIDTHS_ENV, str(B + 1))
+    with pytest.raises(ValueError, match=WIDTHS_ENV):
+        _llm(ckpts)
+
+
+def test_adaptive_widths_on_the_decode_path(ckpts):
+    """Several widths without graphs (nothing timed): the policy keeps the widest, counts the
+    drafts' acceptance from the steps, and the tokens are the single width's."""
+    sp = SamplingParams(max_tokens=40)
+    B = _llm(ckpts).block_size
+    llm = _llm(ckpts, (B, 2))
+    outs = llm.generate(PROMPTS, sp)
+    ref = _llm(ckpts, (B,)).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    st_ = llm.stats()["runner"]
+    assert st_["verify_widths"] == [B, 2] and set(st_["verify_width_by_batch"].values()) == {B}
+    acc = st_["draft_acceptance"]
+    assert len(acc) == B - 1 and all(0.0 < p <= 1.0 for p in acc)
+    assert llm.runner.width_policy.trials[1] > 0
