@@ -360,13 +360,17 @@ def shipped_e2e(lines: list[str], res: dict, rounds: int = 2) -> None:
     from kvstrata.assets.corpus import heldout_prompts
     lines += ["", "| shipped pair | batch | graphs | overlap | round | new tokens | tokens/s | AL "
               "| graph / decode / general steps (both runs) |", "|---" * 9 + "|"]
-    settings = [(True, True), (True, False), (False, True)]
+    # (graphs, overlap, pinned verify width: None = the adaptive widths)
+    settings = [(True, True, None), (True, True, "block"), (True, False, None),
+                (False, True, None)]
     for b in (1, 16):
         prompts = heldout_prompts(b, 256, seed=0)
         sp = SamplingParams(max_tokens=256)
         for rnd in range(rounds):
             for mode in ("plain", "speculative"):
-                for graphs, overlap in settings:
+                for graphs, overlap, pin in settings:
+                    if pin and mode == "plain":
+                        continue
                     cache = CacheConfig(page_size=16, max_seq_len=1024, max_batch_size=b,
                                         target_codec="identity", draft_codec="identity")
                     llm = LLM("kvstrata-tiny-py", "kvstrata-tiny-py" if mode != "plain" else None,
@@ -374,6 +378,8 @@ def shipped_e2e(lines: list[str], res: dict, rounds: int = 2) -> None:
                               runner=RunnerConfig(cuda_graphs=graphs, overlap=overlap))
                     # The same workload once untimed: every kernel shape it meets (prefill
                     # chunks, shortened last blocks) is compiled before the timed run.
+                    if pin:
+                        pin_width(llm, llm.block_size)
                     llm.generate(prompts, sp, cache_salt="warm")
                     torch.cuda.synchronize()
                     t = time.perf_counter()
@@ -385,8 +391,15 @@ def shipped_e2e(lines: list[str], res: dict, rounds: int = 2) -> None:
                     st = llm.runner.stats()
                     res.setdefault("e2e", []).append(dict(mode=mode, batch=b, graphs=graphs,
                                                           overlap=overlap, round=rnd, tokens=n,
-                                                          tok_s=n / dt, al=al, **st))
-                    lines.append(f"| {mode} | {b} | {'on' if graphs else 'off'} | "
+                                                          tok_s=n / dt, al=al, pinned=bool(pin),
+                                                          **st))
+                    g = ("on" if graphs else "off") + (f", verify-{llm.block_size}" if pin
+                                                       else "")
+                    if mode != "plain":
+                        print(f"  verify widths by batch {st.get('verify_width_by_batch')}, "
+                              f"draft acceptance by position {st.get('draft_acceptance')}",
+                              flush=True)
+                    lines.append(f"| {mode} | {b} | {g} | "
                                  f"{'on' if overlap else 'off'} | {rnd + 1} | {n} | "
                                  f"{n / dt:.0f} | {al:.2f} | {st['graph_steps']} / "
                                  f"{st['decode_steps']} / {st['general_steps']} |")
