@@ -478,6 +478,18 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         mm_w = b * (w * w_t + llm.block_size * w_d + (w - 1) * w_head)
                         row(f"{name}, overlapped, verify-{w}", b, ctx,
                             bench.overlapped_ms(args.steps), None, floor, mm_w / flops * 1e3)
+                    # the adaptive policy as the engine runs it (this pair's random drafter is
+                    # almost never accepted: it should settle on the cheapest width)
+                    llm.runner.width_policy = policy
+                    ms_a = bench.overlapped_ms(args.steps)
+                    ch = policy.chosen.get(b)
+                    est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}
+                    cap = [round(policy.capture_ms[(b, w)], 2) for w in policy.widths]
+                    print(f"adaptive b{b} ctx {ctx}: chose {ch}, estimated step ms {est}, "
+                          f"capture ms {cap}, acceptance of draft 1 "
+                          f"{policy.acceptance()[0]:.3f}", flush=True)
+                    row(f"{name}, overlapped, adaptive (verify-{ch})", b, ctx, ms_a, None, floor,
+                        compute)
                     pin_width(llm, llm.runner.widths[0])
                 if d is not None:   # the step's two graphs, each against its own floors
                     fl_v = (w_t + b * ctx * kv_t) / bw * 1e3

@@ -474,7 +474,7 @@ class ModelRunner:
         self._uncollected[h.slot] = None
         B = self.B
         rows = self._hos[h.slot, :h.n]
-        if self.width_policy.adaptive:
+        if self.drafter is not None:
             self.width_policy.observe(rows[:, B], rows[:, B + 1])
         return [r[:r[B]] for r in rows.tolist()]
 

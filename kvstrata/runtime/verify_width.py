@@ -24,8 +24,9 @@ are censored at each step's width), and an untried position counts as accepted (
 :attr:`WidthPolicy.explore_every` of a narrowed batch size runs at the full width, so the
 deep positions' counts follow a change of workload. ``T(b, V)`` is the device time of the
 step's graphs measured at capture (every row padding: the products, the LM heads, no
-context), plus, per batch size, a running mean of what the steps the engine ran took beyond
-their capture time (attention over the real contexts: about the same for every width).
+context), plus a running mean of what the steps the engine ran at that batch size and width
+took beyond it (attention over the real contexts); a width not run yet at that batch size
+takes the batch size's mean over every width.
 """
 
 from __future__ import annotations
@@ -75,19 +76,23 @@ class WidthPolicy:
             than the widest runs at the widest.
         halve_at: the acceptance counts are halved when the first position's trials reach
             this, so they follow the recent workload.
+        decide_every: a batch size's best width is recomputed every this many of its steps
+            (the choice costs a dictionary lookup on the others).
     """
 
     def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 64,
-                 halve_at: int = 1 << 15):
+                 halve_at: int = 1 << 15, decide_every: int = 16):
         self.block, self.widths = block, tuple(widths)
         self.explore_every, self.halve_at = explore_every, halve_at
-        self.trials = np.zeros(block, dtype=np.float64)     # index j: draft j (1 .. B-1)
-        self.accepts = np.zeros(block, dtype=np.float64)
+        self.decide_every = decide_every
+        # rows whose last tried / last accepted draft was j (index j; 0: none)
+        self._last_tried = np.zeros(block, dtype=np.float64)
+        self._last_accepted = np.zeros(block, dtype=np.float64)
         self.capture_ms: dict[tuple[int, int], float] = {}
-        self.extra_ms: dict[int, float] = {}
+        #: running means of measured - capture time, by batch size and by (batch, width)
+        self.extra_ms: dict = {}
         self._steps: dict[int, int] = {}
         self.chosen: dict[int, int] = {}
-        self._j = np.arange(block)[None, :]
 
     @property
     def adaptive(self) -> bool:
@@ -97,39 +102,62 @@ class WidthPolicy:
     def observe(self, produced: np.ndarray, verified: np.ndarray) -> None:
         """One step's rows: ``produced`` tokens (accepted drafts + 1) and ``verified``
         positions (``min(V, block length)``; 0 for a padding row)."""
-        if not self.adaptive or produced.size == 0:
+        if produced.size == 0 or self.block < 2:
             return
-        L = produced.astype(np.int64)[:, None]
-        tried = (self._j >= 1) & (self._j <= verified.astype(np.int64)[:, None] - 1)
-        self.trials += (tried & (L >= self._j)).sum(0)
-        self.accepts += (tried & (L >= self._j + 1)).sum(0)
-        if self.trials[1 if self.block > 1 else 0] >= self.halve_at:
-            self.trials *= 0.5
-            self.accepts *= 0.5
+        # A row verified drafts 1 .. v-1 and produced L <= v tokens: it tried drafts 1 ..
+        # min(L, v-1) and accepted drafts 1 .. L-1 (L <= v). Histograms of those last ones;
+        # the counts per draft are their reversed cumulative sums (``trials``, ``accepts``).
+        B = self.block
+        last = np.minimum(produced, verified - 1)
+        np.maximum(last, 0, out=last)
+        self._last_tried += np.bincount(last, minlength=B)
+        self._last_accepted += np.bincount(np.minimum(produced - 1, last), minlength=B)
+        if self._last_tried[1:].sum() >= self.halve_at:
+            self._last_tried *= 0.5
+            self._last_accepted *= 0.5
+
+    @property
+    def trials(self) -> np.ndarray:
+        """Rows that verified draft ``j`` with drafts ``1 .. j-1`` accepted (index ``j``)."""
+        c = np.cumsum(self._last_tried[::-1])[::-1].copy()
+        c[0] = 0.0
+        return c
+
+    @property
+    def accepts(self) -> np.ndarray:
+        """Of those, rows that accepted draft ``j`` (index ``j``)."""
+        c = np.cumsum(self._last_accepted[::-1])[::-1].copy()
+        c[0] = 0.0
+        return c
 
     def observe_time(self, b: int, width: int, ms: float) -> None:
-        """A step's measured device time: the running mean of its excess over the capture
-        time (``T(b, V)`` = capture time + that mean)."""
+        """A step's measured device time: the running means of its excess over the capture
+        time (``T(b, V)`` = capture time + the mean of that width, else of the batch size)."""
         base = self.capture_ms.get((b, width))
         if base is None or not np.isfinite(ms):
             return
         d = ms - base
-        prev = self.extra_ms.get(b)
-        self.extra_ms[b] = d if prev is None else 0.9 * prev + 0.1 * d
+        for key in (b, (b, width)):
+            prev = self.extra_ms.get(key)
+            self.extra_ms[key] = d if prev is None else 0.9 * prev + 0.1 * d
 
     # -- model ----------------------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
         """``p_j`` for drafts ``j = 1 .. B-1`` (an untried position counts as accepted)."""
         return (self.accepts[1:] + 1.0) / (self.trials[1:] + 1.0)
 
-    def expected_tokens(self, width: int) -> float:
-        """``E(V)``: tokens a sequence's step produces on average at this width."""
-        p = self.acceptance()[:width - 1]
+    def expected_tokens(self, width: int, p: np.ndarray | None = None) -> float:
+        """``E(V)``: tokens a sequence's step produces on average at this width (``p``: the
+        acceptance to use, default :meth:`acceptance`)."""
+        p = (self.acceptance() if p is None else p)[:width - 1]
         return float(1.0 + np.cumprod(p).sum())
 
     def step_ms(self, b: int, width: int) -> float | None:
         base = self.capture_ms.get((b, width))
-        return None if base is None else max(base + self.extra_ms.get(b, 0.0), 1e-6)
+        if base is None:
+            return None
+        extra = self.extra_ms.get((b, width), self.extra_ms.get(b, 0.0))
+        return max(base + extra, 1e-6)
 
     def best(self, b: int) -> int:
         """The width with the most expected tokens per millisecond at batch ``b`` (the widest
@@ -137,18 +165,19 @@ class WidthPolicy:
         times = [self.step_ms(b, w) for w in self.widths]
         if not self.adaptive or any(t is None for t in times):
             return self.widths[0]
-        rate = [self.expected_tokens(w) / t for w, t in zip(self.widths, times)]
+        p = self.acceptance()
+        rate = [self.expected_tokens(w, p) / t for w, t in zip(self.widths, times)]
         return self.widths[int(np.argmax(rate))]
 
     def choose(self, b: int) -> int:
-        """The width of the next step at batch ``b`` (:meth:`best`, or the widest on an
-        exploration step)."""
-        w = self.best(b)
-        self.chosen[b] = w
-        if w != self.widths[0]:
-            n = self._steps[b] = self._steps.get(b, 0) + 1
-            if n % self.explore_every == 0:
-                return self.widths[0]
+        """The width of the next step at batch ``b``: :meth:`best`, recomputed every
+        ``decide_every`` steps of ``b``, or the widest on an exploration step."""
+        n = self._steps[b] = self._steps.get(b, 0) + 1
+        w = self.chosen.get(b)
+        if w is None or n % self.decide_every == 0:
+            w = self.chosen[b] = self.best(b)
+        if w != self.widths[0] and n % self.explore_every == 0:
+            return self.widths[0]
         return w
 
     def stats(self) -> dict:

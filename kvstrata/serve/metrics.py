@@ -59,6 +59,21 @@ class _StatsCollector:
                           ("steps", "Engine steps")):
             if key in eng:
                 yield CounterMetricFamily(f"kvstrata_engine_{key}", help, value=eng[key])
+        run = s.get("runner", {})
+        if run.get("verify_width_by_batch"):
+            vw = GaugeMetricFamily("kvstrata_verify_width", "Positions a speculative step "
+                                   "verifies per sequence, last chosen per padded batch size",
+                                   labels=["batch"])
+            for b, w in run["verify_width_by_batch"].items():
+                vw.add_metric([str(b)], w)
+            yield vw
+        if run.get("draft_acceptance"):
+            da = GaugeMetricFamily("kvstrata_draft_acceptance", "Estimated probability that "
+                                   "the draft at a block position is accepted when every "
+                                   "earlier one was", labels=["position"])
+            for j, p in enumerate(run["draft_acceptance"], 1):
+                da.add_metric([str(j)], p)
+            yield da
         tiers = s.get("tiers")
         if tiers:
             tp = GaugeMetricFamily("kvstrata_tier_pages", "Pages held per lower tier",

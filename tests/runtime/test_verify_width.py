@@ -68,10 +68,16 @@ def test_counts_match_a_row_by_row_count(rows):
 
 
 def _geometric(pol: WidthPolicy, p: float, n: int = 4000) -> None:
-    """Counts as if every draft were accepted with probability ``p``, independently."""
-    for j in range(1, pol.block):
-        pol.trials[j] = n * p ** (j - 1)
-        pol.accepts[j] = n * p ** j
+    """Counts as if every draft were accepted with probability ``p``, independently: ``n``
+    rows verified every draft; ``n p^j`` of them accepted drafts 1 .. j."""
+    B = pol.block
+    reach = np.array([n * p ** j for j in range(B)])      # rows that accepted drafts 1 .. j
+    pol._last_accepted[:] = -np.diff(np.append(reach, 0.0))
+    pol._last_tried[:] = 0.0                              # rejected at j, or reached B - 1
+    pol._last_tried[1:B - 1] = reach[:B - 2] - reach[1:B - 1]
+    pol._last_tried[B - 1] = reach[B - 2]
+    assert pol.trials[1:].tolist() == pytest.approx(reach[:B - 1].tolist())
+    assert pol.accepts[1:].tolist() == pytest.approx(reach[1:].tolist())
 
 
 def test_choice_follows_expected_tokens_per_millisecond():
@@ -91,7 +97,13 @@ def test_choice_follows_expected_tokens_per_millisecond():
     for _ in range(200):
         pol.observe_time(64, 8, 50.0)
     assert pol.extra_ms[64] == pytest.approx(30.0, rel=1e-3)
+    assert pol.step_ms(64, 16) == pytest.approx(65.0, rel=1e-3)     # the batch size's mean
     assert pol.best(64) == 16
+    for _ in range(200):           # the full width measured: its own mean wins over the batch's
+        pol.observe_time(64, 16, 135.0)
+    assert pol.step_ms(64, 16) == pytest.approx(135.0, rel=1e-3)
+    assert pol.step_ms(64, 8) == pytest.approx(50.0, rel=1e-3)
+    assert pol.best(64) == 8
     assert pol.stats()["verify_widths"] == [16, 8, 4]
 
 
