@@ -481,6 +481,7 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                     # the adaptive policy as the engine runs it (this pair's random drafter is
                     # almost never accepted: it should settle on the cheapest width)
                     llm.runner.width_policy = policy
+                    bench.overlapped_ms(2 * policy.decide_every)     # its decisions settle
                     ms_a = bench.overlapped_ms(args.steps)
                     ch = policy.chosen.get(b)
                     est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}

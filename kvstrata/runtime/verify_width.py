@@ -19,14 +19,17 @@ tokens per unit of device time::
 
 ``p_j`` is the probability that draft ``j`` is accepted when drafts ``1 .. j-1`` were,
 counted from the steps' results. A position a step did not verify is not a trial (the counts
-are censored at each step's width), and an untried position counts as accepted (``(a + 1) /
-(t + 1)``), so a new engine starts at the full width and narrows on evidence. One step in
+are censored at each step's width). Each position's estimate is shrunk toward the rate pooled
+over every position, ``(a_j + q) / (t_j + 1)`` with ``q = (sum a + 1) / (sum t + 1)``, so a
+position no step has reached yet takes the pooled rate, and a new engine (no counts: ``q =
+1``) starts at the full width and narrows on evidence. One step in
 :attr:`WidthPolicy.explore_every` of a narrowed batch size runs at the full width, so the
 deep positions' counts follow a change of workload. ``T(b, V)`` is the device time of the
 step's graphs measured at capture (every row padding: the products, the LM heads, no
-context), plus a running mean of what the steps the engine ran at that batch size and width
-took beyond it (attention over the real contexts); a width not run yet at that batch size
-takes the batch size's mean over every width.
+context), plus a running mean of what the steps the engine ran at that batch size took
+beyond their capture time (attention over the real contexts), one mean for every width: it
+follows the contexts as they grow, where a mean per width would go stale for the widths not
+chosen (measured on the H200: docs/benchmarks.md, ninth runner session).
 """
 
 from __future__ import annotations
@@ -89,8 +92,8 @@ class WidthPolicy:
         self._last_tried = np.zeros(block, dtype=np.float64)
         self._last_accepted = np.zeros(block, dtype=np.float64)
         self.capture_ms: dict[tuple[int, int], float] = {}
-        #: running means of measured - capture time, by batch size and by (batch, width)
-        self.extra_ms: dict = {}
+        #: running mean of measured - capture time, by batch size
+        self.extra_ms: dict[int, float] = {}
         self._steps: dict[int, int] = {}
         self.chosen: dict[int, int] = {}
 
@@ -131,20 +134,22 @@ class WidthPolicy:
         return c
 
     def observe_time(self, b: int, width: int, ms: float) -> None:
-        """A step's measured device time: the running means of its excess over the capture
-        time (``T(b, V)`` = capture time + the mean of that width, else of the batch size)."""
+        """A step's measured device time: the running mean of its excess over the capture
+        time (``T(b, V)`` = capture time + that mean)."""
         base = self.capture_ms.get((b, width))
         if base is None or not np.isfinite(ms):
             return
         d = ms - base
-        for key in (b, (b, width)):
-            prev = self.extra_ms.get(key)
-            self.extra_ms[key] = d if prev is None else 0.9 * prev + 0.1 * d
+        prev = self.extra_ms.get(b)
+        self.extra_ms[b] = d if prev is None else 0.9 * prev + 0.1 * d
 
     # -- model ----------------------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
-        """``p_j`` for drafts ``j = 1 .. B-1`` (an untried position counts as accepted)."""
-        return (self.accepts[1:] + 1.0) / (self.trials[1:] + 1.0)
+        """``p_j`` for drafts ``j = 1 .. B-1``, shrunk toward the pooled rate (an untried
+        position takes it; with no counts at all it is 1)."""
+        a, t = self.accepts[1:], self.trials[1:]
+        q = (a.sum() + 1.0) / (t.sum() + 1.0)
+        return (a + q) / (t + 1.0)
 
     def expected_tokens(self, width: int, p: np.ndarray | None = None) -> float:
         """``E(V)``: tokens a sequence's step produces on average at this width (``p``: the
@@ -156,8 +161,7 @@ class WidthPolicy:
         base = self.capture_ms.get((b, width))
         if base is None:
             return None
-        extra = self.extra_ms.get((b, width), self.extra_ms.get(b, 0.0))
-        return max(base + extra, 1e-6)
+        return max(base + self.extra_ms.get(b, 0.0), 1e-6)
 
     def best(self, b: int) -> int:
         """The width with the most expected tokens per millisecond at batch ``b`` (the widest
