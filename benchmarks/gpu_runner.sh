@@ -16,8 +16,9 @@
 # device time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the
 # graphs only; kprofb: the speculative step's graphs, host parts and whole step at
 # KPROF_BATCHES (16); kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
-# kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) over split counts
-# and tiles in the runner's grid; vsweep: batch-1 verify attention over q blocks, fused merge,
+# kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) with BSWEEP_Q (16)
+# queries per sequence over split counts and tiles in the runner's grid (BSWEEP_ARGS: more
+# runner_bench arguments, e.g. --sweep-contexts 8192); vsweep: batch-1 verify attention over q blocks, fused merge,
 # split lengths and tiles. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
@@ -34,7 +35,8 @@ for s in "${steps[@]}"; do
     vsweep) python3 benchmarks/runner_bench.py --batches --attn-contexts --sweep-contexts 1024 \
               8192 --verify-sweep --out "$OUT/vsweep.md" > "$OUT/vsweep.log" 2>&1 ;;
     bsweep) python3 benchmarks/runner_bench.py --batches --attn-contexts --sweep-contexts 1024 \
-              8192 --batch-sweep ${BSWEEP_BATCHES:-16 64} --out "$OUT/bsweep.md" \
+              8192 --batch-sweep ${BSWEEP_BATCHES:-16 64} --batch-sweep-q ${BSWEEP_Q:-16} \
+              ${BSWEEP_ARGS:-} --out "$OUT/bsweep.md" \
               > "$OUT/bsweep.log" 2>&1 ;;
     b1) python3 benchmarks/runner_bench.py --batches 1 --steps 16 --attn-contexts 8192 \
           --min-split ${MIN_SPLITS:-256 512 1024} --out "$OUT/b1.md" > "$OUT/b1.log" 2>&1 ;;

@@ -518,6 +518,8 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="batch-1 split sweep of the attention kernel (decode and verify-16)")
     ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[1024, 8192, 32768])
+    ap.add_argument("--batch-sweep-q", type=int, nargs="+", default=[16],
+                    help="--batch-sweep: query tokens per sequence (verify widths)")
     ap.add_argument("--batch-sweep", type=int, nargs="*", default=[],
                     help="verify-16 attention of these batches over --sweep-contexts: split "
                          "counts x tiles, in the runner's grid")
@@ -582,8 +584,9 @@ def main():
         table("batch_sweep", ["batch", "ctx", "splits (runner's)", "BLOCK_N", "maxnreg",
                               "us/layer", "x floor"],
               (r for b in args.batch_sweep for ctx in args.sweep_contexts
-               for r in batch_attn_sweep(b, ctx, bw)),
-              lambda r: (r["batch"], r["ctx"], f"{r['splits']} ({r['chosen']})", r["block_n"],
+               for q in args.batch_sweep_q for r in batch_attn_sweep(b, ctx, bw, q_len=q)),
+              lambda r: (f"{r['batch']} (q {r['q']})", r["ctx"],
+                         f"{r['splits']} ({r['chosen']})", r["block_n"],
                          r["maxnreg"], f"{r['us']:.1f}", f"{r['us'] / r['floor_us']:.2f}"))
 
     if args.batches:

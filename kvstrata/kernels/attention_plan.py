@@ -333,6 +333,12 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
             maxnreg = 128
     else:
         block_n = 32 if 0 < tokens_per_split <= 128 else 64
+        # Verify of 4 or 8 query tokens (the runner's narrower verify widths: 16 or 32 rows)
+        # over more than two programs per SM: the same cap. H200, 16 x 8k, 4 splits, 36
+        # layers in a graph (docs/benchmarks.md, ninth runner session): 8 tokens 171.2 us
+        # per layer against 179.4 uncapped, 4 tokens 141.3 against 157.8.
+        if max_query_len > 1 and programs > 2 * num_sms:
+            maxnreg = 128
     # Decode (one query row per head) merges its splits in the same launch: the last split
     # program of a KV head reads [GROUP_PAD, RED_CHUNK, BLOCK_D] fp32 partial tiles. H200, batch
     # 1, 36 layers in a graph, the runner's 34-program grid (docs/benchmarks.md, fifth runner

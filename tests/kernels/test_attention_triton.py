@@ -276,7 +276,8 @@ def test_cuda_fused_reduce_repeated_launches_and_graph_replay():
 
 def test_kernel_config_tiles_follow_the_grid():
     # 64 query rows: 64-token tiles while the launch fits one wave (<= 2 programs per SM),
-    # 32-token tiles capped at 128 registers beyond; decode unchanged.
+    # 32-token tiles capped at 128 registers beyond; decode unchanged; 4-8 query tokens
+    # capped beyond one wave as well.
     from kvstrata.kernels.attention_plan import kernel_config
     one_wave = kernel_config(4, 128, 16, 0, programs=256, num_sms=132)
     assert one_wave["BLOCK_Q"] * one_wave["GROUP_PAD"] == 64
@@ -285,6 +286,11 @@ def test_kernel_config_tiles_follow_the_grid():
     assert many["BLOCK_N"] == 32 and many["maxnreg"] == 128
     dec = kernel_config(4, 128, 1, 128, programs=512, num_sms=132)
     assert dec["BLOCK_N"] == 32 and dec["maxnreg"] is None
+    # 4 or 8 query tokens (narrower verify widths): capped beyond two programs per SM too
+    for q in (4, 8):
+        narrow = kernel_config(4, 128, q, 2048, programs=512, num_sms=132)
+        assert narrow["BLOCK_Q"] * narrow["GROUP_PAD"] == 4 * q and narrow["maxnreg"] == 128
+        assert kernel_config(4, 128, q, 2048, programs=256, num_sms=132)["maxnreg"] is None
     assert kernel_config(4, 128, 1, 1024, programs=64)["BLOCK_N"] == 64
     # Decode merges its splits in the same launch, 32 splits per merge tile at GQA 4, d 128;
     # verify keeps the merge launch.
