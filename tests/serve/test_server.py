@@ -173,6 +173,15 @@ def test_auth_health_models_and_metrics(server):
     assert f'kvstrata_model_info{{model="{MODEL}"}}' in m
     for tier in ("device", "host", "disk", "remote"):
         assert f'kvstrata_prefix_cached_tokens_total{{tier="{tier}"}}' in m
+    # after a speculative request: the runner's verify width per batch size and the drafts'
+    # estimated acceptance by block position
+    openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0).completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+    m = metrics(server)
+    widths = [v for k, v in m.items() if k.startswith("kvstrata_verify_width{batch=")]
+    acc = [v for k, v in m.items() if k.startswith("kvstrata_draft_acceptance{position=")]
+    assert widths and all(2 <= v <= 16 for v in widths)
+    assert 'kvstrata_draft_acceptance{position="1"}' in m and all(0 < v <= 1 for v in acc)
 
 
 def _error(status_body, status: int, code: str | None = None) -> str:
