@@ -9,15 +9,17 @@ Two paths:
 - **decode** (every item generates with a block of ``1..B`` positions, greedy, paged drafter or
   none): the step reads persistent device buffers (pending token, committed length, block
   length and block table row per sequence, split lengths of the attention plans), computes
-  positions and slots on the device, drafts up to ``B-1`` tokens, verifies up to ``B``
-  positions, accepts greedily, writes the draft context K/V of the committed rows (slots of
-  rejected rows are masked to -1) and leaves ``[tokens..., count]`` per row in a device buffer.
-  Rows sit at a fixed stride of ``B``; a shortened block (a sequence's last, or one at the
-  length limit) uses its first ``n`` rows (the plans carry per-row query lengths), the rest
-  are masked: slot -1, never attended to, never accepted. With CUDA graphs on, the batch is
-  padded to the next size of a ladder and two graphs per size are replayed (draft, verify);
-  padding rows carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs
-  off, or the ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
+  positions and slots on the device, drafts up to ``B-1`` tokens, verifies the first ``V <= B``
+  positions (the step's verify width, chosen per batch size by :mod:`.verify_width`'s policy),
+  accepts greedily, writes the draft context K/V of the committed rows (slots of rejected rows
+  are masked to -1) and leaves ``[tokens..., count, positions verified]`` per row in a device
+  buffer. Rows sit at a fixed stride: ``B`` in the draft, ``V`` in the verify. A shortened
+  block (a sequence's last, or one at the length limit) uses its first ``n`` rows (the plans
+  carry per-row query lengths), the rest are masked: slot -1, never attended to, never
+  accepted. With CUDA graphs on, the batch is padded to the next size of a ladder and two
+  graphs per size and width are replayed (draft, verify); padding rows carry slot -1 and
+  length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
+  ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
 - **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager
   forward (:class:`~.general.GeneralPath`, in its own module).
 
