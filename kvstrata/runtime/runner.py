@@ -122,19 +122,18 @@ class RunnerConfig:
             raise ValueError(f"RunnerConfig.min_split_tokens must be a positive multiple of "
                              f"{_SPLIT_ALIGN}, got {m!r}")
         if self.batch_sizes is not None:
-            sizes = tuple(self.batch_sizes)
-            if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1
-                                for s in sizes):
-                raise ValueError(f"RunnerConfig.batch_sizes must be positive integers, got "
-                                 f"{self.batch_sizes!r}")
-            object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
-        if self.verify_widths is not None:
-            ws = tuple(self.verify_widths)
-            if not ws or any(not isinstance(w, int) or isinstance(w, bool) or w < 1
-                             for w in ws):
-                raise ValueError(f"RunnerConfig.verify_widths must be positive integers, got "
-                                 f"{self.verify_widths!r}")
-            object.__setattr__(self, "verify_widths", ws)
+            object.__setattr__(self, "batch_sizes",
+                               tuple(sorted(set(self._positive_ints("batch_sizes")))))
+        if self.verify_widths is not None:     # their range needs the block: the runner checks
+            object.__setattr__(self, "verify_widths", self._positive_ints("verify_widths"))
+
+    def _positive_ints(self, name: str) -> tuple[int, ...]:
+        v = getattr(self, name)
+        vals = tuple(v)
+        if not vals or any(not isinstance(x, int) or isinstance(x, bool) or x < 1
+                           for x in vals):
+            raise ValueError(f"RunnerConfig.{name} must be positive integers, got {v!r}")
+        return vals
 
 
 def _switch(name: str, want: bool) -> bool:
