@@ -22,14 +22,24 @@ counted from the steps' results. A position a step did not verify is not a trial
 are censored at each step's width). Each position's estimate is shrunk toward the rate pooled
 over every position, ``(a_j + q) / (t_j + 1)`` with ``q = (sum a + 1) / (sum t + 1)``, so a
 position no step has reached yet takes the pooled rate, and a new engine (no counts: ``q =
-1``) starts at the full width and narrows on evidence. One step in
-:attr:`WidthPolicy.explore_every` of a narrowed batch size runs at the full width, so the
-deep positions' counts follow a change of workload. ``T(b, V)`` is the device time of the
-step's graphs measured at capture (every row padding: the products, the LM heads, no
-context), plus a running mean of what the steps the engine ran at that batch size took
-beyond their capture time (attention over the real contexts), one mean for every width: it
-follows the contexts as they grow, where a mean per width would go stale for the widths not
-chosen (measured on the H200: docs/benchmarks.md, ninth runner session).
+1``) starts at the full width and narrows on evidence.
+
+``T(b, V)`` is the device time of the step's graphs measured at capture (every row padding:
+the products, the LM heads, no context) plus two learned terms, both from measured step times
+(CUDA events around the step, read when it is collected):
+
+- ``extra(b)``: what the steps at the chosen width took beyond their capture time, a running
+  mean over every such step. It follows the contexts as they grow (attention over the real
+  contexts).
+- ``offset(b, V)``: what a step at width ``V`` took beyond ``capture + extra(b)``, learned from
+  the steps that ran at a width other than the chosen one. Wider widths attend more query
+  rows, so at long contexts their excess is larger than the chosen width's: one excess for
+  every width had put the full width 12% low at 16 x 8k (docs/benchmarks.md, ninth runner
+  session).
+
+One step in :attr:`WidthPolicy.explore_every` of a batch size runs at a width not chosen, each
+in turn, widest first: the offsets stay current, and the steps at the full width keep the
+deep positions' counts following the workload.
 """
 
 from __future__ import annotations
@@ -75,15 +85,15 @@ class WidthPolicy:
     Args:
         block: the draft block size ``B``.
         widths: the captured widths, widest first.
-        explore_every: one step in this many of a batch size whose best width is narrower
-            than the widest runs at the widest.
+        explore_every: one step in this many of a batch size runs at a width not chosen,
+            each in turn (widest first).
         halve_at: the acceptance counts are halved when the first position's trials reach
             this, so they follow the recent workload.
         decide_every: a batch size's best width is recomputed every this many of its steps
             (the choice costs a dictionary lookup on the others).
     """
 
-    def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 64,
+    def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 32,
                  halve_at: int = 1 << 15, decide_every: int = 16):
         self.block, self.widths = block, tuple(widths)
         self.explore_every, self.halve_at = explore_every, halve_at
@@ -92,8 +102,10 @@ class WidthPolicy:
         self._last_tried = np.zeros(block, dtype=np.float64)
         self._last_accepted = np.zeros(block, dtype=np.float64)
         self.capture_ms: dict[tuple[int, int], float] = {}
-        #: running mean of measured - capture time, by batch size
+        #: running mean of measured - capture time at the chosen width, by batch size
         self.extra_ms: dict[int, float] = {}
+        #: running mean of measured - capture - extra at a width not chosen, by (size, width)
+        self.offset_ms: dict[tuple[int, int], float] = {}
         self._steps: dict[int, int] = {}
         self.chosen: dict[int, int] = {}
 
@@ -134,14 +146,20 @@ class WidthPolicy:
         return c
 
     def observe_time(self, b: int, width: int, ms: float) -> None:
-        """A step's measured device time: the running mean of its excess over the capture
-        time (``T(b, V)`` = capture time + that mean)."""
+        """A step's measured device time at batch ``b`` and ``width``. At the chosen width it
+        moves ``extra(b)`` (that width's own offset taken out); at another width, the width's
+        ``offset(b, V)`` (see the module docstring)."""
         base = self.capture_ms.get((b, width))
         if base is None or not np.isfinite(ms):
             return
         d = ms - base
+        off = self.offset_ms.get((b, width), 0.0)
         prev = self.extra_ms.get(b)
-        self.extra_ms[b] = d if prev is None else 0.9 * prev + 0.1 * d
+        if prev is None or width == self.chosen.get(b, width):
+            self.extra_ms[b] = d - off if prev is None else 0.9 * prev + 0.1 * (d - off)
+            return
+        r = d - prev
+        self.offset_ms[(b, width)] = r if (b, width) not in self.offset_ms else 0.7 * off + 0.3 * r
 
     # -- model ----------------------------------------------------------------------------------
     def acceptance(self) -> np.ndarray:
@@ -161,7 +179,7 @@ class WidthPolicy:
         base = self.capture_ms.get((b, width))
         if base is None:
             return None
-        return max(base + self.extra_ms.get(b, 0.0), 1e-6)
+        return max(base + self.extra_ms.get(b, 0.0) + self.offset_ms.get((b, width), 0.0), 1e-6)
 
     def best(self, b: int) -> int:
         """The width with the most expected tokens per millisecond at batch ``b`` (the widest
@@ -175,13 +193,14 @@ class WidthPolicy:
 
     def choose(self, b: int) -> int:
         """The width of the next step at batch ``b``: :meth:`best`, recomputed every
-        ``decide_every`` steps of ``b``, or the widest on an exploration step."""
+        ``decide_every`` steps of ``b``; on an exploration step the next width not chosen."""
         n = self._steps[b] = self._steps.get(b, 0) + 1
         w = self.chosen.get(b)
         if w is None or n % self.decide_every == 0:
             w = self.chosen[b] = self.best(b)
-        if w != self.widths[0] and n % self.explore_every == 0:
-            return self.widths[0]
+        if self.adaptive and n % self.explore_every == 0:
+            others = [x for x in self.widths if x != w]
+            return others[(n // self.explore_every - 1) % len(others)]
         return w
 
     def stats(self) -> dict:

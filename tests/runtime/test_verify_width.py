@@ -110,7 +110,7 @@ def test_choice_follows_expected_tokens_per_millisecond():
     for _ in range(200):
         pol.observe_time(64, 8, 50.0)
     assert pol.extra_ms[64] == pytest.approx(30.0, rel=1e-3)
-    assert pol.step_ms(64, 16) == pytest.approx(65.0, rel=1e-3)     # one mean for every width
+    assert pol.step_ms(64, 16) == pytest.approx(65.0, rel=1e-3)     # no offsets learned yet
     assert pol.best(64) == 16
     assert pol.stats()["verify_widths"] == [16, 8, 4]
 
@@ -125,6 +125,44 @@ def test_exploration_and_halving():
     pol.observe(np.array([16] * 50), np.array([16] * 50))    # trials of draft 1 reach 110
     assert pol.trials[1] == pytest.approx(55.0)
     assert WidthPolicy(4, (4,)).choose(1) == 4                # one width: never explores
+
+
+def test_exploration_visits_every_other_width_in_turn():
+    pol = WidthPolicy(16, (16, 8, 4), explore_every=4)
+    pol.capture_ms.update({(8, 16): 10.0, (8, 8): 5.0, (8, 4): 2.0})
+    _geometric(pol, 0.3, n=60)
+    chosen = [pol.choose(8) for _ in range(16)]
+    assert pol.chosen[8] == 4
+    assert chosen == [4, 4, 4, 16, 4, 4, 4, 8, 4, 4, 4, 16, 4, 4, 4, 8]
+
+
+def test_time_model_learns_each_width_from_the_steps():
+    """Steps whose attention grows with the context and with the width (long contexts at batch
+    16): the estimates follow every width, not only the chosen one, and the choice follows the
+    true tokens per millisecond as it moves from the widest to a narrower width."""
+    capture = {16: 6.0, 8: 5.0, 4: 4.5}
+    attn_per_row_ktok = 0.002         # ms per verified row and 1k tokens of context
+
+    def true_ms(width, ctx):
+        return capture[width] + 0.3 * ctx / 1024 + attn_per_row_ktok * 16 * width * ctx / 1024
+
+    pol = WidthPolicy(16, (16, 8, 4), explore_every=8, decide_every=4)
+    pol.capture_ms.update({(16, w): t for w, t in capture.items()})
+    _geometric(pol, 0.85)
+    p = pol.acceptance()
+    picks = []
+    for step in range(4000):
+        ctx = 1024 + 3 * step
+        w = pol.choose(16)
+        pol.observe_time(16, w, true_ms(w, ctx))
+        if step % 500 == 499:
+            est = {v: pol.step_ms(16, v) for v in (16, 8, 4)}
+            for v in (16, 8, 4):
+                assert est[v] == pytest.approx(true_ms(v, ctx), rel=0.05), (step, v, est)
+            rate = {v: pol.expected_tokens(v, p) / true_ms(v, ctx) for v in (16, 8, 4)}
+            picks.append((max(rate, key=rate.get), pol.best(16)))
+            assert rate[pol.best(16)] >= 0.98 * max(rate.values()), (step, rate, est)
+    assert picks[0] == (16, 16) and picks[-1] == (8, 8)        # the best width did move
 
 
 def _llm(ckpts, widths=None):
