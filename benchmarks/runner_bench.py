@@ -462,7 +462,8 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                 llm.runner.use_graphs = True
                 name = f"{mode} decode step" if d is None else "speculative step"
                 row(name, b, ctx, ms, eager, floor, compute)
-                row(f"{name}, overlapped", b, ctx, bench.overlapped_ms(args.steps), None, floor,
+                pinned = {llm.runner.widths[0]: bench.overlapped_ms(args.steps)}
+                row(f"{name}, overlapped", b, ctx, pinned[llm.runner.widths[0]], None, floor,
                     compute)
                 if b == 1:
                     default = llm.runner.min_split_tokens
@@ -476,19 +477,24 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         pin_width(llm, w)
                         # products: w target rows, B drafter rows, w - 1 draft-head rows
                         mm_w = b * (w * w_t + llm.block_size * w_d + (w - 1) * w_head)
-                        row(f"{name}, overlapped, verify-{w}", b, ctx,
-                            bench.overlapped_ms(args.steps), None, floor, mm_w / flops * 1e3)
+                        pinned[w] = bench.overlapped_ms(args.steps)
+                        row(f"{name}, overlapped, verify-{w}", b, ctx, pinned[w], None, floor,
+                            mm_w / flops * 1e3)
                     # the adaptive policy as the engine runs it (this pair's random drafter is
                     # almost never accepted: it should settle on the cheapest width)
                     llm.runner.width_policy = policy
-                    bench.overlapped_ms(2 * policy.decide_every)     # its decisions settle
+                    # its decisions settle and every width is explored a few times (the
+                    # offsets of the time model)
+                    bench.overlapped_ms(max(2 * policy.decide_every, 3 * policy.explore_every
+                                            * (len(policy.widths) - 1)))
                     ms_a = bench.overlapped_ms(args.steps)
                     ch = policy.chosen.get(b)
                     est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}
                     cap = [round(policy.capture_ms[(b, w)], 2) for w in policy.widths]
+                    meas = {w: round(v, 2) for w, v in pinned.items()}
                     print(f"adaptive b{b} ctx {ctx}: chose {ch}, estimated step ms {est}, "
-                          f"capture ms {cap}, acceptance of draft 1 "
-                          f"{policy.acceptance()[0]:.3f}", flush=True)
+                          f"measured pinned (overlapped wall) {meas}, capture ms {cap}, "
+                          f"acceptance of draft 1 {policy.acceptance()[0]:.3f}", flush=True)
                     row(f"{name}, overlapped, adaptive (verify-{ch})", b, ctx, ms_a, None, floor,
                         compute)
                     pin_width(llm, llm.runner.widths[0])

@@ -153,11 +153,18 @@ class DFlashDrafter(nn.Module):
                           kv_cache=kv_cache, layer=i, slot_mapping=slot_mapping, impl=impl)
 
     # -- block -----------------------------------------------------------------------------------
-    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn) -> Tensor:
+    def forward(self, noise: Tensor, positions: Tensor, attn: DraftAttentionFn,
+                rows: tuple[int, int, int] | None = None) -> Tensor:
         """Run packed draft blocks.
 
         noise: ``[Tq, hidden]`` target embeddings of the blocks (times ``input_embedding_scale``);
         positions: ``[Tq]`` absolute positions. Returns the final-normed hidden ``[Tq, hidden]``.
+
+        rows ``(block, lo, hi)``: the blocks are ``block`` rows each, and only positions ``lo
+        .. hi - 1`` of each are read: the last layer's output projection, MLP and final norm run
+        on those alone, and the result is ``[Tq / block * (hi - lo), hidden]``. Every row still
+        feeds every layer's attention, so the kept rows' values are the full forward's (up to
+        the products' rounding at fewer rows).
         """
         c = self.cfg
         x = noise.to(self.dtype)
@@ -171,7 +178,10 @@ class DFlashDrafter(nn.Module):
             a, mlp = layer.self_attn, layer.mlp
             q, k, v = qkv_norm_rope(a.qkv(h, product=gemv), a.q_norm.weight, a.k_norm.weight,
                                     a.q_norm.eps, cos, sin, hq, hkv)
-            h, x = add_rms_norm(a.project_out(attn(i, q, k, v), product=gemv),
+            o = attn(i, q, k, v)
+            if rows is not None and i + 1 == len(self.layers):
+                o, x = (_block_rows(t, rows) for t in (o, x))
+            h, x = add_rms_norm(a.project_out(o, product=gemv),
                                 layer.post_attention_layernorm.weight, eps, residual=x)
             y = gemv(gemv(h, *mlp.gate_up_weight(), gated=True), mlp.down_proj.weight,
                      mlp.down_proj.bias)
@@ -187,6 +197,12 @@ class DFlashDrafter(nn.Module):
         if c.final_logit_softcapping:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
+
+
+def _block_rows(t: Tensor, rows: tuple[int, int, int]) -> Tensor:
+    """Rows ``lo .. hi - 1`` of every ``block`` consecutive rows of ``t`` (packed)."""
+    block, lo, hi = rows
+    return t.unflatten(0, (-1, block))[:, lo:hi].flatten(0, 1)
 
 
 class PagedDraftAttention:

@@ -586,8 +586,9 @@ class ModelRunner:
 
     def _draft_fn(self, b: int, width: int | None = None) -> None:
         """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): the block
-        of ``B`` positions runs through the drafter, the LM head only over the ``width - 1``
-        drafts the verify step of that width reads (default: all ``B - 1``)."""
+        of ``B`` positions runs through the drafter; below the full width, its last layer's
+        output projection and MLP, and the LM head, run only over the ``width - 1`` drafts the
+        verify step of that width reads."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
         w = B if width is None else width
         self._assemble(b)
@@ -604,7 +605,10 @@ class ModelRunner:
         attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block,
                                               plans.causal, slots.reshape(-1),
                                               impl=self.attn_impl)
-        h = d(noise, pos, attn).view(b, B, -1)[:, 1:w].reshape(b * (w - 1), -1)
+        if w < B:
+            h = d(noise, pos, attn, rows=(B, 1, w))
+        else:   # the full block's rows as the reference runs them (same products' shapes)
+            h = d(noise, pos, attn).view(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
         self.drafts[:b, :w - 1].copy_(
             self._greedy(h.to(self.target.dtype), drafter=True).view(b, w - 1))
 

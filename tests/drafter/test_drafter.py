@@ -123,8 +123,13 @@ def test_paged_blocks_match_reference_batched(pair):
         bslots = torch.cat([slots(k, n[k], n[k] + B) for k in keys])
         attn = PagedDraftAttention(ours, kv, bt, [n[k] for k in keys], [B] * 2, bslots, PAGE)
         got = ours(noise, pos, attn)
+        # only positions 1..2 of each block through the last layer's o_proj + MLP
+        part = ours(noise, pos, attn, rows=(B, 1, 3))
+        assert part.shape == (2 * 2, H)
         for i, k in enumerate(keys):
             torch.testing.assert_close(got[i * B:(i + 1) * B], want[k][step], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(part[2 * i:2 * i + 2], want[k][step][1:3], atol=2e-5,
+                                       rtol=1e-4)
 
 
 def test_arena_matches_reference(pair):
