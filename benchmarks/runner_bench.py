@@ -487,7 +487,9 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                     # offsets of the time model)
                     bench.overlapped_ms(max(2 * policy.decide_every, 3 * policy.explore_every
                                             * (len(policy.widths) - 1)))
-                    ms_a = bench.overlapped_ms(args.steps)
+                    # long enough that its explorations weigh as in a run (one step of a
+                    # width not chosen in a short window would not)
+                    ms_a = bench.overlapped_ms(max(args.steps, 8 * policy.explore_every))
                     ch = policy.chosen.get(b)
                     est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}
                     cap = [round(policy.capture_ms[(b, w)], 2) for w in policy.widths]

@@ -37,9 +37,13 @@ the products, the LM heads, no context) plus two learned terms, both from measur
   every width had put the full width 12% low at 16 x 8k (docs/benchmarks.md, ninth runner
   session).
 
-One step in :attr:`WidthPolicy.explore_every` of a batch size runs at a width not chosen, each
-in turn, widest first: the offsets stay current, and the steps at the full width keep the
-deep positions' counts following the workload.
+Now and then a step runs at a width not chosen (*exploration*): the offsets stay current, and
+the steps at the full width keep the deep positions' counts following the workload. Each width
+not chosen runs once every ``cost / explore_cost`` steps of its batch size (at least
+``explore_every``, at most 32 times that), where ``cost = 1 - rate(V) / rate(V*)`` is the share
+of a step's expected tokens per millisecond it gives up: exploring costs about ``explore_cost``
+of the throughput per width. At batch 64 x 1k, where the full width takes 2.4x the chosen
+width's time, a fixed one step in 32 had cost 3% (docs/benchmarks.md, tenth runner session).
 """
 
 from __future__ import annotations
@@ -85,8 +89,10 @@ class WidthPolicy:
     Args:
         block: the draft block size ``B``.
         widths: the captured widths, widest first.
-        explore_every: one step in this many of a batch size runs at a width not chosen,
-            each in turn (widest first).
+        explore_every: the shortest period, in steps of a batch size, of running a width
+            not chosen (see the module docstring); the longest is 32 times it.
+        explore_cost: the share of throughput each width not chosen may cost by being
+            explored.
         halve_at: the acceptance counts are halved when the first position's trials reach
             this, so they follow the recent workload.
         decide_every: a batch size's best width is recomputed every this many of its steps
@@ -94,9 +100,11 @@ class WidthPolicy:
     """
 
     def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 32,
-                 halve_at: int = 1 << 15, decide_every: int = 16):
+                 halve_at: int = 1 << 15, decide_every: int = 16, explore_cost: float = 0.0025):
         self.block, self.widths = block, tuple(widths)
         self.explore_every, self.halve_at = explore_every, halve_at
+        self.explore_cost = explore_cost
+        self._due: dict[tuple[int, int], int] = {}     # (size, width) -> its next exploration
         self.decide_every = decide_every
         # rows whose last tried / last accepted draft was j (index j; 0: none)
         self._last_tried = np.zeros(block, dtype=np.float64)
@@ -193,15 +201,33 @@ class WidthPolicy:
 
     def choose(self, b: int) -> int:
         """The width of the next step at batch ``b``: :meth:`best`, recomputed every
-        ``decide_every`` steps of ``b``; on an exploration step the next width not chosen."""
+        ``decide_every`` steps of ``b``, unless a width not chosen is due to be explored
+        (widest first)."""
         n = self._steps[b] = self._steps.get(b, 0) + 1
         w = self.chosen.get(b)
         if w is None or n % self.decide_every == 0:
             w = self.chosen[b] = self.best(b)
-        if self.adaptive and n % self.explore_every == 0:
-            others = [x for x in self.widths if x != w]
-            return others[(n // self.explore_every - 1) % len(others)]
+        if not self.adaptive:
+            return w
+        for x in self.widths:
+            if x == w:
+                continue
+            due = self._due.setdefault((b, x), self.explore_every)
+            if n >= due:
+                self._due[(b, x)] = n + self.explore_period(b, x, w)
+                return x
         return w
+
+    def explore_period(self, b: int, width: int, chosen: int) -> int:
+        """Steps of batch ``b`` between two explorations of ``width`` while ``chosen`` is the
+        best (see the module docstring)."""
+        lo = self.explore_every
+        t, tc = self.step_ms(b, width), self.step_ms(b, chosen)
+        if t is None or tc is None:
+            return lo
+        p = self.acceptance()
+        cost = 1.0 - (self.expected_tokens(width, p) / t) / (self.expected_tokens(chosen, p) / tc)
+        return int(min(max(cost / self.explore_cost, lo), 32 * lo))
 
     def stats(self) -> dict:
         return {"verify_widths": list(self.widths),

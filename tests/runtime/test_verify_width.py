@@ -120,20 +120,32 @@ def test_exploration_and_halving():
     pol.capture_ms.update({(8, 16): 10.0, (8, 4): 2.0})
     _geometric(pol, 0.5, n=60)
     chosen = [pol.choose(8) for _ in range(8)]
-    assert chosen == [4, 4, 4, 16, 4, 4, 4, 16]
+    assert chosen == [4, 4, 4, 16, 4, 4, 4, 4]    # 16 costs ~80% of a step: every 128 steps
     assert pol.stats()["verify_width_by_batch"] == {8: 4}
     pol.observe(np.array([16] * 50), np.array([16] * 50))    # trials of draft 1 reach 110
     assert pol.trials[1] == pytest.approx(55.0)
     assert WidthPolicy(4, (4,)).choose(1) == 4                # one width: never explores
 
 
-def test_exploration_visits_every_other_width_in_turn():
-    pol = WidthPolicy(16, (16, 8, 4), explore_every=4)
+def test_exploration_visits_every_other_width_at_a_bounded_cost():
+    pol = WidthPolicy(16, (16, 8, 4), explore_every=4, explore_cost=0.01)
     pol.capture_ms.update({(8, 16): 10.0, (8, 8): 5.0, (8, 4): 2.0})
     _geometric(pol, 0.3, n=60)
-    chosen = [pol.choose(8) for _ in range(16)]
+    chosen = [pol.choose(8) for _ in range(8)]
     assert pol.chosen[8] == 4
-    assert chosen == [4, 4, 4, 16, 4, 4, 4, 8, 4, 4, 4, 16, 4, 4, 4, 8]
+    assert chosen == [4, 4, 4, 16, 8, 4, 4, 4]                # due together: widest first
+    # 16 gives up 80% of the tokens per ms, 8 60%: at 1% of throughput each, 16 runs once in
+    # 80 steps, 8 once in 60 (each at least every 4 and at most every 128 steps)
+    p = pol.acceptance()
+    rate = {w: pol.expected_tokens(w, p) / pol.step_ms(8, w) for w in (16, 8, 4)}
+    assert pol.explore_period(8, 16, 4) == int((1 - rate[16] / rate[4]) / 0.01)
+    runs = [pol.choose(8) for _ in range(2400)]
+    assert runs.count(16) == pytest.approx(2400 / pol.explore_period(8, 16, 4), abs=1)
+    assert runs.count(8) == pytest.approx(2400 / pol.explore_period(8, 8, 4), abs=1)
+    lost = sum(1 - rate[w] / rate[4] for w in runs) / len(runs)
+    assert lost < 2 * 0.01 + 1e-3
+    # no measured times: the shortest period
+    assert WidthPolicy(16, (16, 4), explore_every=4).explore_period(1, 16, 4) == 4
 
 
 def test_time_model_learns_each_width_from_the_steps():
@@ -158,7 +170,7 @@ def test_time_model_learns_each_width_from_the_steps():
         if step % 500 == 499:
             est = {v: pol.step_ms(16, v) for v in (16, 8, 4)}
             for v in (16, 8, 4):
-                assert est[v] == pytest.approx(true_ms(v, ctx), rel=0.05), (step, v, est)
+                assert est[v] == pytest.approx(true_ms(v, ctx), rel=0.08), (step, v, est)
             rate = {v: pol.expected_tokens(v, p) / true_ms(v, ctx) for v in (16, 8, 4)}
             picks.append((max(rate, key=rate.get), pol.best(16)))
             assert rate[pol.best(16)] >= 0.98 * max(rate.values()), (step, rate, est)
