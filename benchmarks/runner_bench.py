@@ -483,13 +483,13 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                     # the adaptive policy as the engine runs it (this pair's random drafter is
                     # almost never accepted: it should settle on the cheapest width)
                     llm.runner.width_policy = policy
-                    # its decisions settle and every width is explored a few times (the
-                    # offsets of the time model)
-                    bench.overlapped_ms(max(2 * policy.decide_every, 3 * policy.explore_every
-                                            * (len(policy.widths) - 1)))
-                    # long enough that its explorations weigh as in a run (one step of a
-                    # width not chosen in a short window would not)
-                    ms_a = bench.overlapped_ms(max(args.steps, 8 * policy.explore_every))
+                    # fresh sequences at ctx: the long run below must fit in max_seq_len
+                    bench.close()
+                    bench = Bench(llm, b, ctx, f"{mode}-adaptive")
+                    # its decisions settle and every width is explored (the time model's
+                    # offsets); then long enough that its explorations weigh as in a run
+                    bench.overlapped_ms(max(2 * policy.decide_every, 4 * policy.explore_every))
+                    ms_a = bench.overlapped_ms(max(args.steps, 6 * policy.explore_every))
                     ch = policy.chosen.get(b)
                     est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}
                     cap = [round(policy.capture_ms[(b, w)], 2) for w in policy.widths]
