@@ -480,16 +480,19 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         pinned[w] = bench.overlapped_ms(args.steps)
                         row(f"{name}, overlapped, verify-{w}", b, ctx, pinned[w], None, floor,
                             mm_w / flops * 1e3)
-                    # the adaptive policy as the engine runs it (this pair's random drafter is
-                    # almost never accepted: it should settle on the cheapest width)
+                    # The adaptive policy as the engine runs it (this pair's random drafter is
+                    # almost never accepted: it should settle on the cheapest width), then the
+                    # width it chose pinned, over the same number of steps from the same
+                    # context (fresh sequences: contexts grow by a step's tokens, and attention
+                    # with them).
+                    n_a = 192
+                    bench.close()
+                    bench = Bench(llm, b, ctx, f"{mode}-warm")
                     llm.runner.width_policy = policy
-                    # fresh sequences at ctx: the long run below must fit in max_seq_len
+                    bench.overlapped_ms(128)    # decisions settle, every width is explored
                     bench.close()
                     bench = Bench(llm, b, ctx, f"{mode}-adaptive")
-                    # its decisions settle and every width is explored (the time model's
-                    # offsets); then long enough that its explorations weigh as in a run
-                    bench.overlapped_ms(max(2 * policy.decide_every, 4 * policy.explore_every))
-                    ms_a = bench.overlapped_ms(max(args.steps, 6 * policy.explore_every))
+                    ms_a = bench.overlapped_ms(n_a)
                     ch = policy.chosen.get(b)
                     est = {w: round(policy.step_ms(b, w) or -1, 2) for w in policy.widths}
                     cap = [round(policy.capture_ms[(b, w)], 2) for w in policy.widths]
@@ -497,8 +500,14 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                     print(f"adaptive b{b} ctx {ctx}: chose {ch}, estimated step ms {est}, "
                           f"measured pinned (overlapped wall) {meas}, capture ms {cap}, "
                           f"acceptance of draft 1 {policy.acceptance()[0]:.3f}", flush=True)
-                    row(f"{name}, overlapped, adaptive (verify-{ch})", b, ctx, ms_a, None, floor,
-                        compute)
+                    bench.close()
+                    bench = Bench(llm, b, ctx, f"{mode}-chosen")
+                    pin_width(llm, ch)
+                    ms_c = bench.overlapped_ms(n_a)
+                    row(f"{name}, overlapped, adaptive (verify-{ch}), {n_a} steps", b, ctx, ms_a,
+                        None, floor, compute)
+                    row(f"{name}, overlapped, verify-{ch} pinned, {n_a} steps", b, ctx, ms_c,
+                        None, floor, compute)
                     pin_width(llm, llm.runner.widths[0])
                 if d is not None:   # the step's two graphs, each against its own floors
                     fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
