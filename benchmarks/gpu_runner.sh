@@ -15,7 +15,7 @@
 # e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel
 # device time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the
 # graphs only; kprofb: the speculative step's graphs, host parts and whole step at
-# KPROF_BATCHES (16); kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
+# KPROF_BATCHES (16), KPROF_ARGS e.g. "--width 4"; kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
 # kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) with BSWEEP_Q (16)
 # queries per sequence over split counts and tiles in the runner's grid (BSWEEP_ARGS: more
 # runner_bench arguments, e.g. --sweep-contexts 8192); vsweep: batch-1 verify attention over q blocks, fused merge,
@@ -48,7 +48,7 @@ for s in "${steps[@]}"; do
              > "$OUT/kprof.log" 2>&1 ;;
     rope) python3 benchmarks/runner_profile.py --rope --out "$OUT/rope.md" > "$OUT/rope.log" 2>&1 ;;
     kprofb) python3 benchmarks/runner_profile.py --profile --batches ${KPROF_BATCHES:-16} \
-              --out "$OUT/kprofb.md" > "$OUT/kprofb.log" 2>&1 ;;
+              ${KPROF_ARGS:-} --out "$OUT/kprofb.md" > "$OUT/kprofb.log" 2>&1 ;;
     kprofref) PYTHONPATH="/tmp/site:$PWD/_ref:$PWD" python3 benchmarks/runner_profile.py \
                 --profile --out "$OUT/kprofref.md" > "$OUT/kprofref.log" 2>&1 ;;
     gated) python3 benchmarks/runner_profile.py --gated --out "$OUT/gated.md" \

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runner_bench import Bench, _graph_us, copy_rate, make_llm, replay_ms  # noqa: E402
+from runner_bench import Bench, _graph_us, copy_rate, make_llm, pin_width, replay_ms  # noqa: E402
 from engine_bench import PRESETS, build_models  # noqa: E402
 
 from kvstrata.kernels.gemv import GemvLaunch, _gemv, gemv  # noqa: E402
@@ -245,11 +245,14 @@ def profile_steps(args, lines: list[str]) -> None:
             for ctx in args.contexts:
                 bench = Bench(llm, b, ctx, mode)
                 run = llm.runner
+                w = args.width if args.width in run.widths else run.widths[0]
+                pin_width(llm, w)
                 run._stage(bench.items(), b)
                 for name in (("draft", "verify") if d is not None else ("verify",)):
-                    g = run.graphs[(name, b, run.widths[0])]
+                    g = run.graphs[(name, b, w)]
                     ms = replay_ms(g, 30)
-                    kernel_table(g.replay, 10, f"{mode} b{b} ctx {ctx}: {name} graph", lines, ms)
+                    kernel_table(g.replay, 10, f"{mode} b{b} ctx {ctx}: {name} graph"
+                                 + (f" (verify width {w})" if d is not None else ""), lines, ms)
                     if ctx == args.contexts[0] and b == 1:
                         fn = run._verify_fn if name == "verify" else run._draft_fn
                         with torch.inference_mode():
@@ -280,6 +283,9 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1],
                     help="--profile: batch 1 plain and speculative; larger: speculative")
+    ap.add_argument("--width", type=int, default=None,
+                    help="--profile: the verify width whose graphs and steps are profiled "
+                         "(default: the full block)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
