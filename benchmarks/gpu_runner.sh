@@ -15,8 +15,8 @@
 # e2e: the shipped pair end to end; pdl0: batch-1 steps with KVSTRATA_PDL=0; profile: per-kernel
 # device time of the batch-1 graphs and the linear layers alone (runner_profile.py; kprof: the
 # graphs only; kprofb: the speculative step's graphs, host parts and whole step at
-# KPROF_BATCHES (16), KPROF_ARGS e.g. "--width 4"; kprofref: kprof of the _ref/ package); rope: the q/k norm + RoPE
-# kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) with BSWEEP_Q (16)
+# KPROF_BATCHES (16), KPROF_ARGS e.g. "--width 4"; kprofref: kprof of the _ref/ package);
+# rope: the q/k norm + RoPE kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) with BSWEEP_Q (16)
 # queries per sequence over split counts and tiles in the runner's grid (BSWEEP_ARGS: more
 # runner_bench arguments, e.g. --sweep-contexts 8192); vsweep: batch-1 verify attention over q blocks, fused merge,
 # split lengths and tiles. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
