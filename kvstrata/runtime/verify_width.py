@@ -230,9 +230,16 @@ class WidthPolicy:
         return int(min(max(cost / self.explore_cost, lo), 32 * lo))
 
     def stats(self) -> dict:
+        """The captured widths, the width last chosen per batch size, the drafts' estimated
+        acceptance by position and, per batch size with measured times, the estimated step
+        time ``T(b, V)`` of every width (milliseconds): the inputs of each choice."""
+        est = {int(b): {int(w): round(float(self.step_ms(b, w)), 3) for w in self.widths}
+               for b in sorted(self.chosen)
+               if all(self.step_ms(b, w) is not None for w in self.widths)}
         return {"verify_widths": list(self.widths),
                 "verify_width_by_batch": {int(b): int(w) for b, w in sorted(self.chosen.items())},
-                "draft_acceptance": [round(float(p), 4) for p in self.acceptance()]}
+                "draft_acceptance": [round(float(p), 4) for p in self.acceptance()],
+                "verify_step_ms": est}
 
 
 __all__ = ["WIDTHS_ENV", "WidthPolicy", "default_widths", "parse_widths"]

@@ -7,8 +7,9 @@ Two kinds of series:
   token (from the request's arrival at the server, so queueing counts), prompt tokens reused from
   the prefix cache per tier;
 * read from ``LLM.stats()`` at scrape time (a custom collector): pool pages by state, tier
-  occupancy, engine steps and preemptions. The snapshot is taken by the engine thread, the only
-  thread that touches the engine.
+  occupancy, engine steps and preemptions, and the runner's verify width per batch size with
+  its inputs (estimated step time per width, draft acceptance by position). The snapshot is
+  taken by the engine thread, the only thread that touches the engine.
 """
 
 from __future__ import annotations
@@ -67,6 +68,15 @@ class _StatsCollector:
             for b, w in run["verify_width_by_batch"].items():
                 vw.add_metric([str(b)], w)
             yield vw
+        if run.get("verify_step_ms"):
+            vt = GaugeMetricFamily("kvstrata_verify_step_ms", "Estimated device time of a "
+                                   "speculative step per padded batch size and verify width "
+                                   "(milliseconds; the width policy's step time)",
+                                   labels=["batch", "width"])
+            for b, per in run["verify_step_ms"].items():
+                for w, ms in per.items():
+                    vt.add_metric([str(b), str(w)], ms)
+            yield vt
         if run.get("draft_acceptance"):
             da = GaugeMetricFamily("kvstrata_draft_acceptance", "Estimated probability that "
                                    "the draft at a block position is accepted when every "

@@ -100,6 +100,8 @@ def test_engine_with_graphs_equals_without(ckpts):
     st = adaptive.stats()["runner"]
     assert st["verify_widths"] == list(run.widths) and st["verify_width_by_batch"]
     assert run.width_policy.extra_ms                     # the steps' device times were read
+    assert st["verify_step_ms"] and all(set(v) == set(run.widths)
+                                        for v in st["verify_step_ms"].values())
     st = on.stats()["runner"]
     assert st["cuda_graphs"] and st["graph_steps"] > 0 and st["graph_pool_bytes"] >= 0
     assert off.stats()["runner"]["graph_steps"] == 0

@@ -112,7 +112,11 @@ def test_choice_follows_expected_tokens_per_millisecond():
     assert pol.extra_ms[64] == pytest.approx(30.0, rel=1e-3)
     assert pol.step_ms(64, 16) == pytest.approx(65.0, rel=1e-3)     # no offsets learned yet
     assert pol.best(64) == 16
-    assert pol.stats()["verify_widths"] == [16, 8, 4]
+    pol.choose(64)
+    st = pol.stats()
+    assert st["verify_widths"] == [16, 8, 4]
+    # the estimates behind the choice, for batch sizes that have chosen
+    assert st["verify_step_ms"] == {64: {16: 65.0, 8: 50.0, 4: 42.0}}
 
 
 def test_exploration_and_halving():

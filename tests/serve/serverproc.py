@@ -85,8 +85,13 @@ def metrics(server) -> dict[str, float]:
     """``/metrics`` as ``{'name{label="v"}': value}`` (labels sorted)."""
     status, body = http_request(server, "GET", "/metrics")
     assert status == 200
+    return parse_metrics(body)
+
+
+def parse_metrics(text: bytes) -> dict[str, float]:
+    """Prometheus exposition text as ``{'name{label="v"}': value}`` (labels sorted)."""
     out = {}
-    for fam in text_string_to_metric_families(body.decode()):
+    for fam in text_string_to_metric_families(text.decode()):
         for s in fam.samples:
             labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
