@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..dtypes import SUPPORTED_DTYPES, canonical_dtype, dtype_name
+from ..dtypes import canonical_dtype, dtype_name
 
 #: Version of the page layout ``[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]``.
 #: It is bound into every prefix-hash namespace and every stored page header: bump it whenever the

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from kvstrata.codecs import get_codec
-from kvstrata.pagepool import (LAYER_KV_FIRST, GroupView, KVCacheManager, PagePool, PoolView,
-                               page_hashes)
+from kvstrata.pagepool import LAYER_KV_FIRST, GroupView, PagePool, PoolView, page_hashes
 from kvstrata.testing.tiers import GROUPS, PAGE, check_tier, make_records
-from kvstrata.tiers import DiskTier, HostTier, Tier, TierManager
+from kvstrata.tiers import DiskTier, HostTier, TierManager
 
 from tierutil import Stack, expected
 

@@ -9,9 +9,9 @@ import torch
 
 from kvstrata.codecs import get_codec
 from kvstrata.pagepool import Namespace, page_hashes
-from kvstrata.tiers import DiskTier, TierManager
+from kvstrata.tiers import TierManager
 
-from tierutil import PAGE, Stack, make_groups
+from tierutil import PAGE, Stack
 
 
 def _prompts(n, pages, seed=0):
