@@ -19,7 +19,8 @@
 # rope: the q/k norm + RoPE kernel's tiles alone; bsweep: verify attention at BSWEEP_BATCHES (16 64) with BSWEEP_Q (16)
 # queries per sequence over split counts and tiles in the runner's grid (BSWEEP_ARGS: more
 # runner_bench arguments, e.g. --sweep-contexts 8192); vsweep: batch-1 verify attention over q blocks, fused merge,
-# split lengths and tiles. Markdown/logs go to $OUT/<step>.{md,log}; each step's last
+# split lengths and tiles; persistent: benchmarks/persistent_chain.py (a smoke run of 2 layers,
+# then 36; PERSIST_ARGS). Markdown/logs go to $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
@@ -77,6 +78,9 @@ for s in "${steps[@]}"; do
     e2e) python3 benchmarks/runner_bench.py --batches --attn-contexts --e2e \
            --out "$OUT/e2e.md" > "$OUT/e2e.log" 2>&1 ;;
     peer) python3 "${PEER:-hf_decode_peer.py}" 1024 8192 > "$OUT/peer.log" 2>&1 ;;
+    persistent) { timeout 90 python3 benchmarks/persistent_chain.py --layers 2 --reps 3 &&
+                  timeout 300 python3 benchmarks/persistent_chain.py ${PERSIST_ARGS:-} \
+                    --out "$OUT/persistent.md"; } > "$OUT/persistent.log" 2>&1 ;;
     *) echo "unknown step $s" > "$OUT/$s.log" ;;
   esac
   echo "== $s: rc=$? $(( $(date +%s) - start ))s"; tail -${TAIL:-6} "$OUT/$s.log"

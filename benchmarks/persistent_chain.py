@@ -1,0 +1,329 @@
+"""Experiment (issue 13, batch-1 goals): a persistent one-row product chain against the shipped one.
+
+At batch 1 a decoder step is a chain of dependent matrix-vector products (per Qwen3-8B layer:
+q/k/v 6144x4096, o_proj 4096x4096, gate/up 24576x4096, down 4096x12288), each reading its
+weight once. The shipped path launches one ``kernels.gemv`` per product, chained under PDL; a
+product's programs read at most one weight tile before they wait for the previous product, so
+every product pays a ramp and a tail (docs/benchmarks.md, runner sessions 3-10).
+
+This script measures the alternative the tenth session's note proposes, as a prototype in CUDA
+C++ (compiled here with NVRTC through CuPy): one persistent launch for the whole chain, one
+block per multiprocessor. A producer warp streams the block's share of *every* product's weight
+rows, in chain order, into a ring of shared-memory stages with Hopper bulk copies
+(``cp.async.bulk`` + mbarriers); eight consumer warps take the stages, multiply them by the
+product's input vector, write the block's output rows and meet the other blocks at a grid
+barrier before the next product. Weight loads do not depend on the barrier, so the memory
+system keeps streaming the next product's rows while the blocks wait for each other.
+
+It is a measurement, not a kernel of the library: the products are chained as ``x_{p+1} =
+y_p[:K_{p+1}]`` (no norms, SiLU, attention), the reductions use shared-memory atomics (not
+bit-reproducible), and it needs sm_90. It prints, from one run: the read floor (weight bytes
+over the measured copy rate), this chain, the shipped ``gemv`` chain in a CUDA graph (PDL as
+shipped) and cuBLAS (``F.linear``) in a CUDA graph.
+
+    python3 benchmarks/persistent_chain.py [--layers 36] [--stages 12] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runner_bench import copy_rate  # noqa: E402
+
+from kvstrata.kernels.gemv import gemv  # noqa: E402
+
+#: Qwen3-8B layer: (N, K) of q/k/v, o_proj, gate/up, down
+LAYER = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+CHUNK = 16384           # bytes per ring stage
+CONSUMERS = 8           # consumer warps (256 threads); warp 8 is the producer
+
+SOURCE = r"""
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+struct alignas(16) v4 { u32 x, y, z, w; };
+
+#define CHUNK %(chunk)d
+#define STAGES %(stages)d
+#define NCONS %(ncons)d
+#define MAXK 12288
+#define MAXROWS 256
+
+__device__ __forceinline__ u32 sa(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(u64* b, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%%0], %%1;" :: "r"(sa(b)), "r"(n));
+}
+__device__ __forceinline__ void mbar_expect(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
+                 :: "r"(sa(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%%0];" :: "r"(sa(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n"
+                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], %%2;\n"
+                     " selp.u32 %%0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+    }
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%%0], [%%1], %%2, [%%3];"
+                 :: "r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(bar)) : "memory");
+}
+__device__ __forceinline__ float bf(u32 h) { return __uint_as_float(h << 16); }
+__device__ __forceinline__ bf16_t to_bf(float f) {
+    u32 u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ v4 ld_cg(const void* p) {   // L2, not a stale L1 line
+    v4 v;
+    asm volatile("ld.global.cg.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Rows [r0, r1) of an N-row product for block c of G.
+__device__ __forceinline__ void rows_of(int N, int c, int G, int* r0, int* r1) {
+    *r0 = (int)(((long long)N * c) / G);
+    *r1 = (int)(((long long)N * (c + 1)) / G);
+}
+
+extern "C" __global__ void __launch_bounds__((NCONS + 1) * 32, 1)
+chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __restrict__ Ks,
+      const u64* __restrict__ yptr, const bf16_t* __restrict__ x0, int P, u32* counter) {
+    extern __shared__ unsigned char smem[];   // 16-byte aligned: enough for v4 and bulk copies
+    unsigned char* ring = smem;
+    bf16_t* xs = (bf16_t*)(smem + STAGES * CHUNK);
+    float* acc = (float*)(smem + STAGES * CHUNK + MAXK * 2);
+    u64* full = (u64*)(smem + STAGES * CHUNK + MAXK * 2 + MAXROWS * 4);
+    u64* empty = full + STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = blockIdx.x, G = gridDim.x;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], NCONS); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == NCONS) {                        // producer: every product's rows, in order
+        if (lane == 0) {
+            u32 i = 0;
+            for (int p = 0; p < P; ++p) {
+                int r0, r1;
+                rows_of(Ns[p], c, G, &r0, &r1);
+                const int K = Ks[p];
+                const unsigned char* src = (const unsigned char*)wptr[p] + (u64)r0 * K * 2;
+                long long left = (long long)(r1 - r0) * K * 2;
+                for (; left > 0; left -= CHUNK, src += CHUNK, ++i) {
+                    const u32 s = i %% STAGES, n = i / STAGES;
+                    if (n > 0) mbar_wait(&empty[s], (n - 1) & 1);
+                    const u32 bytes = left < CHUNK ? (u32)left : CHUNK;
+                    mbar_expect(&full[s], bytes);
+                    bulk_copy(ring + s * CHUNK, src, bytes, &full[s]);
+                }
+            }
+        }
+        return;
+    }
+
+    // consumers: 256 threads
+    const int ct = tid;                          // 0 .. NCONS*32-1
+    u32 i = 0;
+    for (int p = 0; p < P; ++p) {
+        const int K = Ks[p];
+        int r0, r1;
+        rows_of(Ns[p], c, G, &r0, &r1);
+        // the product's input: x0, or the previous product's output (after the grid barrier)
+        const bf16_t* xin = p == 0 ? x0 : (const bf16_t*)yptr[p - 1];
+        for (int e = ct * 8; e < K; e += NCONS * 32 * 8)
+            *(v4*)(xs + e) = ld_cg(xin + e);
+        for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        long long left = (long long)(r1 - r0) * K * 2;
+        long long base = 0;                      // element index of the chunk in the block's rows
+        for (; left > 0; left -= CHUNK, base += CHUNK / 2, ++i) {
+            const u32 s = i %% STAGES, n = i / STAGES;
+            mbar_wait(&full[s], n & 1);
+            const int nel = left < CHUNK ? (int)(left / 2) : CHUNK / 2;
+            const int e0 = ct * 32;              // 32 elements per thread, one row per warp
+            float sum = 0.f;
+            if (e0 < nel) {
+                const long long ge = base + e0;
+                const int col = (int)(ge %% K);
+                const v4* w = (const v4*)(ring + s * CHUNK + e0 * 2);
+                const v4* xv = (const v4*)(xs + col);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    v4 a = w[q], b = xv[q];
+                    u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+                    for (int h = 0; h < 4; ++h) {
+                        sum = fmaf(bf(aw[h] & 0xffffu), bf(bw[h] & 0xffffu), sum);
+                        sum = fmaf(bf(aw[h] >> 16), bf(bw[h] >> 16), sum);
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            const int wfirst = (ct & ~31) * 32;   // first element of this warp's span
+            if (lane == 0 && wfirst < nel) atomicAdd(&acc[(int)((base + wfirst) / K)], sum);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
+        }
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        bf16_t* y = (bf16_t*)yptr[p];
+        for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        if (p + 1 < P) {                         // grid barrier: every block's rows of y_p
+            if (ct == 0) {
+                __threadfence();
+                atomicAdd(counter, 1u);
+                const u32 target = (u32)(p + 1) * G;
+                while (ld_acquire(counter) < target) { }
+            }
+            asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        }
+    }
+}
+"""
+
+
+def build(stages: int):
+    import cupy as cp
+    src = SOURCE % {"chunk": CHUNK, "stages": stages, "ncons": CONSUMERS}
+    try:
+        mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
+        k = mod.get_function("chain")
+    except Exception as e:    # noqa: BLE001 - the image's nvcc instead
+        print(f"NVRTC: {str(e).splitlines()[0][:200]}; building with nvcc", flush=True)
+        mod = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90"), backend="nvcc")
+        k = mod.get_function("chain")
+    smem = stages * CHUNK + 12288 * 2 + 256 * 4 + 2 * stages * 8
+    k.max_dynamic_shared_size_bytes = smem
+    return k, smem
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--stages", type=int, nargs="+", default=[12, 8])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import cupy as cp
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    shapes = [s for _ in range(args.layers) for s in LAYER]
+    P = len(shapes)
+    # weights ~ N(0, 1/K): the chained vector stays O(1)
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5 for n, k in shapes]
+    ys = [torch.zeros(n, device=dev, dtype=torch.bfloat16) for n, _ in shapes]
+    x0 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+    wptr = torch.tensor([w.data_ptr() for w in ws], dtype=torch.int64, device=dev)
+    yptr = torch.tensor([y.data_ptr() for y in ys], dtype=torch.int64, device=dev)
+    Ns = torch.tensor([n for n, _ in shapes], dtype=torch.int32, device=dev)
+    Ks = torch.tensor([k for _, k in shapes], dtype=torch.int32, device=dev)
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    G = torch.cuda.get_device_properties(dev).multi_processor_count
+    nbytes = sum(w.numel() * 2 for w in ws)
+    bw = copy_rate()
+    floor = nbytes / bw * 1e3
+    lines = [f"# persistent one-row product chain, {torch.cuda.get_device_name()}", "",
+             f"{args.layers} Qwen3-8B layers (q/k/v, o_proj, gate/up, down), weights "
+             f"{nbytes / 1e9:.2f} GB, copy rate {bw / 1e12:.3f} TB/s, read floor "
+             f"{floor:.3f} ms; CUDA-event medians of {args.reps}", "",
+             "| chain | ms | x floor |", "|---|---|---|"]
+
+    def timed(fn) -> float:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        fn()
+        torch.cuda.synchronize()
+        t = []
+        for _ in range(args.reps):
+            ev[0].record()
+            fn()
+            ev[1].record()
+            ev[1].synchronize()
+            t.append(ev[0].elapsed_time(ev[1]))
+        return float(np.median(t))
+
+    def row(name, ms):
+        lines.append(f"| {name} | {ms:.3f} | {ms / floor:.3f} |")
+        print(lines[-1], flush=True)
+
+    row("read floor", floor)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    c = lambda t: cp.from_dlpack(t)   # noqa: E731
+    for stages in args.stages:
+        k, smem = build(stages)
+
+        def run():
+            counter.zero_()
+            with stream:
+                k((G,), ((CONSUMERS + 1) * 32,),
+                  (c(wptr), c(Ns), c(Ks), c(yptr), c(x0), np.int32(P), c(counter)),
+                  shared_mem=smem)
+        run()
+        torch.cuda.synchronize()
+        # each product against torch on the kernel's own input (its rounding differs)
+        err = 0.0
+        for p in range(min(P, 8)):
+            xin = x0 if p == 0 else ys[p - 1]
+            want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
+            err = max(err, (ys[p].float() - want).abs().max().item()
+                      / max(want.abs().max().item(), 1e-6))
+        row(f"persistent, {G} blocks, {stages} x {CHUNK // 1024} KB stages (max rel err of the "
+            f"first 8 products {err:.1e})", timed(run))
+
+    def graph_of(fn):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g
+
+    outs = [None] * P
+
+    def chain(prod):
+        def fn():
+            x = x0[None]
+            for p, ((n, k), w) in enumerate(zip(shapes, ws)):
+                outs[p] = prod(x[:, :k], w)
+                x = outs[p]
+        return fn
+    with torch.inference_mode():
+        g = graph_of(chain(lambda x, w: gemv(x, w)))
+        row("shipped `gemv`, one launch per product, PDL, CUDA graph", timed(g.replay))
+        g = graph_of(chain(lambda x, w: F.linear(x, w)))
+        row("cuBLAS (`F.linear`), CUDA graph", timed(g.replay))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
