@@ -55,6 +55,7 @@ struct alignas(16) v4 { u32 x, y, z, w; };
 #define NCONS %(ncons)d
 #define MAXK 12288
 #define MAXROWS 256
+#define BARRIER %(barrier)d
 
 __device__ __forceinline__ u32 sa(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -119,7 +120,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x, G = gridDim.x;
     if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], NCONS); }
+        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -159,41 +160,57 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
         for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
         asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
         long long left = (long long)(r1 - r0) * K * 2;
-        long long base = 0;                      // element index of the chunk in the block's rows
-        for (; left > 0; left -= CHUNK, base += CHUNK / 2, ++i) {
-            const u32 s = i %% STAGES, n = i / STAGES;
-            mbar_wait(&full[s], n & 1);
+        int row0 = 0, col0 = 0;                  // where the chunk starts in the block's rows
+        // Each chunk goes to one warp (chunk i to warp i mod NCONS), so the warps work on
+        // different stages at once. A chunk (8192 elements) spans at most two rows; lane l
+        // takes the 16 bytes at l * 8 + j * 256 (consecutive across the warp: no bank
+        // conflicts), and each 256-element group lies in one row.
+        for (; left > 0; left -= CHUNK, ++i) {
             const int nel = left < CHUNK ? (int)(left / 2) : CHUNK / 2;
-            const int e0 = ct * 32;              // 32 elements per thread, one row per warp
-            float sum = 0.f;
-            if (e0 < nel) {
-                const long long ge = base + e0;
-                const int col = (int)(ge %% K);
-                const v4* w = (const v4*)(ring + s * CHUNK + e0 * 2);
-                const v4* xv = (const v4*)(xs + col);
+            if ((int)(i %% NCONS) == warp) {
+                const u32 s = i %% STAGES, n = i / STAGES;
+                mbar_wait(&full[s], n & 1);
+                const int split = K - col0;      // first element of the second row, if any
+                float sa0 = 0.f, sa1 = 0.f;
+                const unsigned char* st = ring + s * CHUNK;
+#pragma unroll 4
+                for (int j = 0; j < CHUNK / 2 / 256; ++j) {
+                    const int e = j * 256 + lane * 8;
+                    if (e < nel) {
+                        int col = col0 + e;
+                        if (col >= K) col -= K;
+                        const v4 a = *(const v4*)(st + e * 2);
+                        const v4 b = *(const v4*)(xs + col);
+                        const u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+                        float t = 0.f;
 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    v4 a = w[q], b = xv[q];
-                    u32 aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                    for (int h = 0; h < 4; ++h) {
-                        sum = fmaf(bf(aw[h] & 0xffffu), bf(bw[h] & 0xffffu), sum);
-                        sum = fmaf(bf(aw[h] >> 16), bf(bw[h] >> 16), sum);
+                        for (int h = 0; h < 4; ++h) {
+                            t = fmaf(bf(aw[h] & 0xffffu), bf(bw[h] & 0xffffu), t);
+                            t = fmaf(bf(aw[h] >> 16), bf(bw[h] >> 16), t);
+                        }
+                        if (j * 256 < split) sa0 += t; else sa1 += t;
                     }
                 }
-            }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-            const int wfirst = (ct & ~31) * 32;   // first element of this warp's span
-            if (lane == 0 && wfirst < nel) atomicAdd(&acc[(int)((base + wfirst) / K)], sum);
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
+                for (int o = 16; o > 0; o >>= 1) {
+                    sa0 += __shfl_xor_sync(0xffffffffu, sa0, o);
+                    sa1 += __shfl_xor_sync(0xffffffffu, sa1, o);
+                }
+                __syncwarp();
+                if (lane == 0) {
+                    mbar_arrive(&empty[s]);
+                    atomicAdd(&acc[row0], sa0);
+                    if (split < nel) atomicAdd(&acc[row0 + 1], sa1);
+                }
+            }
+            col0 += CHUNK / 2;
+            while (col0 >= K) { col0 -= K; ++row0; }
         }
         asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
         bf16_t* y = (bf16_t*)yptr[p];
         for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
         asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        if (p + 1 < P) {                         // grid barrier: every block's rows of y_p
+        if (BARRIER && p + 1 < P) {              // grid barrier: every block's rows of y_p
             if (ct == 0) {
                 __threadfence();
                 atomicAdd(counter, 1u);
@@ -207,9 +224,10 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
 """
 
 
-def build(stages: int):
+def build(stages: int, barrier: bool = True, chunk: int = CHUNK):
     import cupy as cp
-    src = SOURCE % {"chunk": CHUNK, "stages": stages, "ncons": CONSUMERS}
+    src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": CONSUMERS,
+                    "barrier": int(barrier)}
     try:
         mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
         k = mod.get_function("chain")
@@ -217,7 +235,7 @@ def build(stages: int):
         print(f"NVRTC: {str(e).splitlines()[0][:200]}; building with nvcc", flush=True)
         mod = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90"), backend="nvcc")
         k = mod.get_function("chain")
-    smem = stages * CHUNK + 12288 * 2 + 256 * 4 + 2 * stages * 8
+    smem = stages * chunk + 12288 * 2 + 256 * 4 + 2 * stages * 8
     k.max_dynamic_shared_size_bytes = smem
     return k, smem
 
@@ -225,7 +243,9 @@ def build(stages: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--stages", type=int, nargs="+", default=[12, 8])
+    ap.add_argument("--rings", nargs="+", default=["16x12", "8x24", "8x12"],
+                    help="ring stages as KBxCOUNT (8 or 16 KB: a stage spans at most two "
+                         "weight rows)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -272,10 +292,13 @@ def main():
         print(lines[-1], flush=True)
 
     row("read floor", floor)
-    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
-    for stages in args.stages:
-        k, smem = build(stages)
+    variants = [(*map(int, r.split("x")), b) for r in args.rings for b in (True, False)]
+    for kb, stages, barrier in variants:
+        assert kb in (8, 16), "a stage must span at most two weight rows"
+        chunk = kb * 1024
+        k, smem = build(stages, barrier, chunk)
 
         def run():
             counter.zero_()
@@ -292,8 +315,12 @@ def main():
             want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
             err = max(err, (ys[p].float() - want).abs().max().item()
                       / max(want.abs().max().item(), 1e-6))
-        row(f"persistent, {G} blocks, {stages} x {CHUNK // 1024} KB stages (max rel err of the "
-            f"first 8 products {err:.1e})", timed(run))
+        if barrier:
+            row(f"persistent, {G} blocks, {stages} x {kb} KB stages (max rel err of "
+                f"the first 8 products {err:.1e})", timed(run))
+        else:   # the streaming alone: products read stale inputs, the time is what counts
+            row(f"persistent without the grid barriers (wrong values; the weight stream and "
+                f"the consumers alone), {stages} x {kb} KB stages", timed(run))
 
     def graph_of(fn):
         s = torch.cuda.Stream()
