@@ -6,12 +6,12 @@ weight once. The shipped path launches one ``kernels.gemv`` per product, chained
 product's programs read at most one weight tile before they wait for the previous product, so
 every product pays a ramp and a tail (docs/benchmarks.md, runner sessions 3-10).
 
-This script measures the alternative the tenth session's note proposes, as a prototype in CUDA
+This script measures the alternative the ninth session's note proposed, as a prototype in CUDA
 C++ (compiled here with NVRTC through CuPy): one persistent launch for the whole chain, one
 block per multiprocessor. A producer warp streams the block's share of *every* product's weight
 rows, in chain order, into a ring of shared-memory stages with Hopper bulk copies
-(``cp.async.bulk`` + mbarriers); eight consumer warps take the stages, multiply them by the
-product's input vector, write the block's output rows and meet the other blocks at a grid
+(``cp.async.bulk`` + mbarriers); eight consumer warps, each on a stage of its own, multiply them
+by the product's input vector, write the block's output rows and meet the other blocks at a grid
 barrier before the next product. Weight loads do not depend on the barrier, so the memory
 system keeps streaming the next product's rows while the blocks wait for each other.
 
@@ -21,7 +21,9 @@ bit-reproducible), and it needs sm_90. It prints, from one run: the read floor (
 over the measured copy rate), this chain, the shipped ``gemv`` chain in a CUDA graph (PDL as
 shipped) and cuBLAS (``F.linear``) in a CUDA graph.
 
-    python3 benchmarks/persistent_chain.py [--layers 36] [--stages 12] [--out FILE]
+    python3 benchmarks/persistent_chain.py [--layers 36] [--rings 16x12 8x24] [--out FILE]
+
+Measured on the H200: docs/benchmarks.md, tenth runner session, part 7.
 """
 
 from __future__ import annotations
@@ -249,6 +251,13 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    try:
+        rings = [tuple(map(int, r.split("x"))) for r in args.rings]
+    except ValueError:
+        ap.error(f"--rings {args.rings}: KBxCOUNT, e.g. 16x12")
+    if any(kb not in (8, 16) or n < 2 for kb, n in rings):
+        ap.error(f"--rings {args.rings}: 8 or 16 KB stages (a stage spans at most two weight "
+                 "rows), at least 2 of them")
     import cupy as cp
 
     dev = torch.device("cuda")
@@ -294,9 +303,7 @@ def main():
     row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
-    variants = [(*map(int, r.split("x")), b) for r in args.rings for b in (True, False)]
-    for kb, stages, barrier in variants:
-        assert kb in (8, 16), "a stage must span at most two weight rows"
+    for (kb, stages), barrier in [(r, b) for r in rings for b in (True, False)]:
         chunk = kb * 1024
         k, smem = build(stages, barrier, chunk)
 
@@ -310,7 +317,7 @@ def main():
         torch.cuda.synchronize()
         # each product against torch on the kernel's own input (its rounding differs)
         err = 0.0
-        for p in range(min(P, 8)):
+        for p in range(min(P, 8) if barrier else 0):
             xin = x0 if p == 0 else ys[p - 1]
             want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
             err = max(err, (ys[p].float() - want).abs().max().item()
