@@ -18,7 +18,8 @@ system keeps streaming the next product's rows while the blocks wait for each ot
 It is a measurement, not a kernel of the library: the products are chained as ``x_{p+1} =
 y_p[:K_{p+1}]`` (no norms, SiLU, attention), the reductions use shared-memory atomics (not
 bit-reproducible), and it needs sm_90. It prints, from one run: the read floor (weight bytes
-over the measured copy rate), this chain, the shipped ``gemv`` chain in a CUDA graph (PDL as
+over the measured copy rate); per ring size this chain, the chain without its grid barriers
+and the weight stream alone (no products); the shipped ``gemv`` chain in a CUDA graph (PDL as
 shipped) and cuBLAS (``F.linear``) in a CUDA graph.
 
     python3 benchmarks/persistent_chain.py [--layers 36] [--rings 16x12 8x24] [--out FILE]
@@ -58,6 +59,7 @@ struct alignas(16) v4 { u32 x, y, z, w; };
 #define MAXK 12288
 #define MAXROWS 256
 #define BARRIER %(barrier)d
+#define CONSUME %(consume)d
 
 __device__ __forceinline__ u32 sa(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -172,6 +174,13 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
             if ((int)(i %% NCONS) == warp) {
                 const u32 s = i %% STAGES, n = i / STAGES;
                 mbar_wait(&full[s], n & 1);
+                if (!CONSUME) {                  // the stream alone: release the stage at once
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty[s]);
+                    col0 += CHUNK / 2;
+                    while (col0 >= K) { col0 -= K; ++row0; }
+                    continue;
+                }
                 const int split = K - col0;      // first element of the second row, if any
                 float sa0 = 0.f, sa1 = 0.f;
                 const unsigned char* st = ring + s * CHUNK;
@@ -226,10 +235,10 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
 """
 
 
-def build(stages: int, barrier: bool = True, chunk: int = CHUNK):
+def build(stages: int, barrier: bool = True, chunk: int = CHUNK, consume: bool = True):
     import cupy as cp
     src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": CONSUMERS,
-                    "barrier": int(barrier)}
+                    "barrier": int(barrier), "consume": int(consume)}
     try:
         mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
         k = mod.get_function("chain")
@@ -303,9 +312,11 @@ def main():
     row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
-    for (kb, stages), barrier in [(r, b) for r in rings for b in (True, False)]:
+    # per ring: the chain; without its grid barriers; the weight stream alone (no products)
+    modes = ((True, True), (False, True), (False, False))
+    for (kb, stages), (barrier, consume) in [(r, m) for r in rings for m in modes]:
         chunk = kb * 1024
-        k, smem = build(stages, barrier, chunk)
+        k, smem = build(stages, barrier, chunk, consume)
 
         def run():
             counter.zero_()
@@ -325,9 +336,12 @@ def main():
         if barrier:
             row(f"persistent, {G} blocks, {stages} x {kb} KB stages (max rel err of "
                 f"the first 8 products {err:.1e})", timed(run))
-        else:   # the streaming alone: products read stale inputs, the time is what counts
+        elif consume:   # products read stale inputs: the time is what counts
             row(f"persistent without the grid barriers (wrong values; the weight stream and "
                 f"the consumers alone), {stages} x {kb} KB stages", timed(run))
+        else:
+            row(f"the weight stream alone (bulk copies into the ring, no products), {stages} x "
+                f"{kb} KB stages", timed(run))
 
     def graph_of(fn):
         s = torch.cuda.Stream()
