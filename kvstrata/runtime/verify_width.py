@@ -43,7 +43,8 @@ not chosen runs once every ``cost / explore_cost`` steps of its batch size (at l
 ``explore_every``, at most 32 times that), where ``cost = 1 - rate(V) / rate(V*)`` is the share
 of a step's expected tokens per millisecond it gives up: exploring costs about ``explore_cost``
 of the throughput per width. At batch 64 x 1k, where the full width takes 2.4x the chosen
-width's time, a fixed one step in 32 had cost 3% (docs/benchmarks.md, tenth runner session).
+width's time, the earlier fixed one step in 64 at the full width cost 2.5-2.8%, and this rule
+0.4-1.2% (docs/benchmarks.md, tenth runner session).
 """
 
 from __future__ import annotations
