@@ -266,9 +266,9 @@ class ModelRunner:
         # per row: the target's tokens, the count produced, the positions verified
         self.out = torch.zeros((mb, B + 2), dtype=torch.int32, device=dev)
         self._offs = torch.arange(B, dtype=torch.int64, device=dev)
-        self._qsl_block = torch.arange(mb + 1, dtype=torch.int32, device=dev) * B
+        # query start offsets at a fixed stride: B (the draft block) and each verify width
         self._qsls = {w: torch.arange(mb + 1, dtype=torch.int32, device=dev) * w
-                      for w in self.widths}
+                      for w in {B, *self.widths}}
         # Pinned staging, two slots: a submitted step's copies may still be queued while the
         # host stages the next one (overlapped steps).
         pin = dev.type == "cuda"
@@ -360,10 +360,9 @@ class ModelRunner:
         """A decode-path plan over the persistent buffers: the draft block's (``width``
         ``None``: ``B`` query rows per sequence) or the verify step's at ``width``."""
         w = self.B if width is None else width
-        qsl = self._qsl_block if width is None else self._qsls[w]
         return AttentionMetadata(
             block_tables=self.block_tables[:b], seq_lens=self.seq_lens[which, :b],
-            query_start_loc=qsl[:b + 1], max_query_len=w,
+            query_start_loc=self._qsls[w][:b + 1], max_query_len=w,
             max_seq_len=self.max_seq_len, causal=causal, page_size=self.P, num_splits=splits,
             tokens_per_split=self._split_len(self.max_seq_len, splits),
             query_lens_host=[w] * b, split_tokens=self.split_tokens[which:which + 1],

@@ -103,10 +103,8 @@ class WidthPolicy:
     def __init__(self, block: int, widths: tuple[int, ...], explore_every: int = 32,
                  halve_at: int = 1 << 15, decide_every: int = 16, explore_cost: float = 0.0025):
         self.block, self.widths = block, tuple(widths)
-        self.explore_every, self.halve_at = explore_every, halve_at
-        self.explore_cost = explore_cost
-        self._due: dict[tuple[int, int], int] = {}     # (size, width) -> its next exploration
-        self.decide_every = decide_every
+        self.explore_every, self.explore_cost = explore_every, explore_cost
+        self.halve_at, self.decide_every = halve_at, decide_every
         # rows whose last tried / last accepted draft was j (index j; 0: none)
         self._last_tried = np.zeros(block, dtype=np.float64)
         self._last_accepted = np.zeros(block, dtype=np.float64)
@@ -117,6 +115,7 @@ class WidthPolicy:
         self.offset_ms: dict[tuple[int, int], float] = {}
         self._steps: dict[int, int] = {}
         self.chosen: dict[int, int] = {}
+        self._due: dict[tuple[int, int], int] = {}     # (size, width) -> its next exploration
 
     @property
     def adaptive(self) -> bool:
@@ -143,16 +142,12 @@ class WidthPolicy:
     @property
     def trials(self) -> np.ndarray:
         """Rows that verified draft ``j`` with drafts ``1 .. j-1`` accepted (index ``j``)."""
-        c = np.cumsum(self._last_tried[::-1])[::-1].copy()
-        c[0] = 0.0
-        return c
+        return _at_least(self._last_tried)
 
     @property
     def accepts(self) -> np.ndarray:
         """Of those, rows that accepted draft ``j`` (index ``j``)."""
-        c = np.cumsum(self._last_accepted[::-1])[::-1].copy()
-        c[0] = 0.0
-        return c
+        return _at_least(self._last_accepted)
 
     def observe_time(self, b: int, width: int, ms: float) -> None:
         """A step's measured device time at batch ``b`` and ``width``. At the chosen width it
@@ -190,15 +185,20 @@ class WidthPolicy:
             return None
         return max(base + self.extra_ms.get(b, 0.0) + self.offset_ms.get((b, width), 0.0), 1e-6)
 
+    def rate(self, b: int, width: int, p: np.ndarray) -> float | None:
+        """Expected tokens per millisecond of a step at batch ``b`` and ``width`` (``None``
+        without a measured time)."""
+        t = self.step_ms(b, width)
+        return None if t is None else self.expected_tokens(width, p) / t
+
     def best(self, b: int) -> int:
         """The width with the most expected tokens per millisecond at batch ``b`` (the widest
         while any width of ``b`` has no measured time)."""
-        times = [self.step_ms(b, w) for w in self.widths]
-        if not self.adaptive or any(t is None for t in times):
-            return self.widths[0]
         p = self.acceptance()
-        rate = [self.expected_tokens(w, p) / t for w, t in zip(self.widths, times)]
-        return self.widths[int(np.argmax(rate))]
+        rates = [self.rate(b, w, p) for w in self.widths]
+        if not self.adaptive or any(r is None for r in rates):
+            return self.widths[0]
+        return self.widths[int(np.argmax(rates))]
 
     def choose(self, b: int) -> int:
         """The width of the next step at batch ``b``: :meth:`best`, recomputed every
@@ -223,12 +223,11 @@ class WidthPolicy:
         """Steps of batch ``b`` between two explorations of ``width`` while ``chosen`` is the
         best (see the module docstring)."""
         lo = self.explore_every
-        t, tc = self.step_ms(b, width), self.step_ms(b, chosen)
-        if t is None or tc is None:
-            return lo
         p = self.acceptance()
-        cost = 1.0 - (self.expected_tokens(width, p) / t) / (self.expected_tokens(chosen, p) / tc)
-        return int(min(max(cost / self.explore_cost, lo), 32 * lo))
+        r, rc = self.rate(b, width, p), self.rate(b, chosen, p)
+        if r is None or rc is None:
+            return lo
+        return int(min(max((1.0 - r / rc) / self.explore_cost, lo), 32 * lo))
 
     def stats(self) -> dict:
         """The captured widths, the width last chosen per batch size, the drafts' estimated
@@ -241,6 +240,14 @@ class WidthPolicy:
                 "verify_width_by_batch": {int(b): int(w) for b, w in sorted(self.chosen.items())},
                 "draft_acceptance": [round(float(p), 4) for p in self.acceptance()],
                 "verify_step_ms": est}
+
+
+def _at_least(last: np.ndarray) -> np.ndarray:
+    """From a histogram of rows' last draft ``j``, the rows that reached each ``j >= 1``
+    (reversed cumulative sum; index 0 is 0)."""
+    c = np.cumsum(last[::-1])[::-1].copy()
+    c[0] = 0.0
+    return c
 
 
 __all__ = ["WIDTHS_ENV", "WidthPolicy", "default_widths", "parse_widths"]
