@@ -439,6 +439,8 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
           f"{w_head / 1e9:.2f} GB", flush=True)
     max_ctx = max(args.contexts)
     for mode, d in (("plain", None), ("spec", drafter)):
+        if mode not in args.modes:
+            continue
         for b in args.batches:
             t0 = time.perf_counter()
             llm = make_llm(target, d, b, max_ctx)
@@ -475,11 +477,17 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                 if d is not None:   # narrower verify widths (runtime/verify_width.py)
                     for w in llm.runner.widths[1:]:
                         pin_width(llm, w)
-                        # products: w target rows, B drafter rows, w - 1 draft-head rows
-                        mm_w = b * (w * w_t + llm.block_size * w_d + (w - 1) * w_head)
+                        # products: w target rows, the draft block's rows (w, or B with
+                        # draft_block="full"), w - 1 draft-head rows
+                        r = llm.runner.draft_rows[w]
+                        mm_w = b * (w * w_t + r * w_d + (w - 1) * w_head)
                         pinned[w] = bench.overlapped_ms(args.steps)
                         row(f"{name}, overlapped, verify-{w}", b, ctx, pinned[w], None, floor,
                             mm_w / flops * 1e3)
+                        row(f"draft (graph replay), verify-{w}, a block of {r}", b, ctx,
+                            bench.graph_ms("draft", 50, width=w), None,
+                            (w_d + w_head + b * ctx * kv_d) / bw * 1e3,
+                            b * (r * w_d + (w - 1) * w_head) / flops * 1e3)
                     # The adaptive policy as the engine runs it (this pair's random drafter is
                     # almost never accepted: it should settle on the cheapest width), then the
                     # width it chose pinned, over the same number of steps from the same
@@ -532,6 +540,8 @@ def main():
     ap.add_argument("--target-layers", type=int, default=None)
     ap.add_argument("--attn-contexts", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--e2e", action="store_true", help="also the shipped pair end to end")
+    ap.add_argument("--modes", nargs="+", choices=("plain", "spec"), default=["plain", "spec"],
+                    help="the engine steps to time: plain decoding, speculative, or both")
     ap.add_argument("--sweep", action="store_true",
                     help="batch-1 split sweep of the attention kernel (decode and verify-16)")
     ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[1024, 8192, 32768])

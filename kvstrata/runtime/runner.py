@@ -9,11 +9,13 @@ Two paths:
 - **decode** (every item generates with a block of ``1..B`` positions, greedy, paged drafter or
   none): the step reads persistent device buffers (pending token, committed length, block
   length and block table row per sequence, split lengths of the attention plans), computes
-  positions and slots on the device, drafts up to ``B-1`` tokens, verifies the first ``V <= B``
-  positions (the step's verify width, chosen per batch size by :mod:`.verify_width`'s policy),
-  accepts greedily, writes the draft context K/V of the committed rows (slots of rejected rows
-  are masked to -1) and leaves ``[tokens..., count, positions verified]`` per row in a device
-  buffer. Rows sit at a fixed stride: ``B`` in the draft, ``V`` in the verify. A shortened
+  positions and slots on the device, drafts ``V - 1`` tokens from a block of ``V`` positions
+  (``V <= B``: the step's verify width, chosen per batch size by :mod:`.verify_width`'s
+  policy; ``RunnerConfig.draft_block="full"`` drafts the whole block of ``B`` instead),
+  verifies the first ``V`` positions, accepts greedily, writes the draft context K/V of the
+  committed rows (slots of rejected rows are masked to -1) and leaves ``[tokens..., count,
+  positions verified]`` per row in a device buffer. Rows sit at a fixed stride: the draft
+  block's in the draft, ``V`` in the verify. A shortened
   block (a sequence's last, or one at the length limit) uses its first ``n`` rows (the plans
   carry per-row query lengths), the rest are masked: slot -1, never attended to, never
   accepted. With CUDA graphs on, the batch is padded to the next size of a ladder and two
@@ -72,6 +74,9 @@ _SPLIT_STEP = 32
 #: 13) ran batch-1 decode and verify-16 at 8k fastest with 128-256-token splits (64 or 32 of
 #: them), against 21.9 / 23.9 us per layer with the 512-token splits the default policy chose.
 MIN_SPLIT_TOKENS = 256
+#: Environment switch of :attr:`RunnerConfig.draft_block` (``width`` or ``full``).
+DRAFT_BLOCK_ENV = "KVSTRATA_DRAFT_BLOCK"
+DRAFT_BLOCKS = ("width", "full")
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,13 @@ class RunnerConfig:
             (nothing times the widths then). One width pins it. The
             ``KVSTRATA_VERIFY_WIDTHS`` environment variable (e.g. ``16`` or ``16,8,4``)
             overrides it.
+        draft_block: the block the drafter runs at a verify width ``V`` below the block
+            ``B``: ``"width"`` (default) drafts ``[pending token, MASK x (V-1)]``, a block of
+            ``V`` rows, as a drafter with block size ``V`` would (the drafts the step reads;
+            ``V / B`` of the draft's rows); ``"full"`` drafts the whole block of ``B`` and the
+            verify step reads its first ``V - 1`` drafts. Greedy output is the same either way;
+            the drafts, and so the acceptance, can differ (the block's attention is
+            bidirectional). The ``KVSTRATA_DRAFT_BLOCK`` environment variable overrides it.
     """
 
     cuda_graphs: bool = True
@@ -112,8 +124,12 @@ class RunnerConfig:
     timing: bool = False
     min_split_tokens: int = MIN_SPLIT_TOKENS
     verify_widths: tuple[int, ...] | None = None
+    draft_block: str = "width"
 
     def __post_init__(self) -> None:
+        if self.draft_block not in DRAFT_BLOCKS:
+            raise ValueError(f"RunnerConfig.draft_block must be one of {DRAFT_BLOCKS}, got "
+                             f"{self.draft_block!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"RunnerConfig.overlap must be True, False or None (by device), "
                              f"got {self.overlap!r}")
@@ -187,11 +203,21 @@ class InFlight:
     timed: bool = False
 
 
+def draft_block_mode(cfg: RunnerConfig) -> str:
+    """:attr:`RunnerConfig.draft_block`, unless ``KVSTRATA_DRAFT_BLOCK`` says otherwise."""
+    env = os.environ.get(DRAFT_BLOCK_ENV, "").strip().lower()
+    if not env:
+        return cfg.draft_block
+    if env not in DRAFT_BLOCKS:
+        raise ValueError(f"{DRAFT_BLOCK_ENV}={env!r}: use one of {', '.join(DRAFT_BLOCKS)}")
+    return env
+
+
 @dataclass(slots=True)
 class _Plans:
     verify: dict[int, AttentionMetadata]      # by verify width
-    block: AttentionMetadata | None
-    causal: AttentionMetadata | None
+    block: dict[int, AttentionMetadata]       # the draft block's, by its rows per sequence
+    causal: dict[int, AttentionMetadata]      # the causal draft layers' (same keys), if any
     splits: tuple[int, int, int]
 
 
@@ -239,6 +265,9 @@ class ModelRunner:
         #: verify widths (widest first) and the policy choosing one per step
         self.widths = self._widths(config)
         self.width_policy = WidthPolicy(B, self.widths)
+        #: rows per sequence of the draft block at each verify width (see ``draft_block``)
+        narrow = draft_block_mode(config) == "width"
+        self.draft_rows = {w: w if narrow else B for w in self.widths}
         # Persistent device buffers (graphs read these addresses on every replay). ``small``
         # holds, per row, the pending token, the committed length (-1: padding row) and the
         # block length, then the three plans' split lengths; the step's first kernel
@@ -375,13 +404,15 @@ class ModelRunner:
             hkv = self.target.config.num_key_value_heads
             sv = self._splits(b, self.B, hkv)
             sb = sc = 1
-            block = causal = None
+            block, causal = {}, {}
             if self.paged:
                 dh = self.drafter.cfg.num_key_value_heads
                 sb = sc = self._splits(b, self.B, dh)
-                block = self._meta(b, 1, False, sb)
-                if any(self.drafter.cfg.layer_causal):
-                    causal = self._meta(b, 2, True, sc)
+                for r in {self.B, *self.draft_rows.values()}:
+                    width = None if r == self.B else r
+                    block[r] = self._meta(b, 1, False, sb, width=width)
+                    if any(self.drafter.cfg.layer_causal):
+                        causal[r] = self._meta(b, 2, True, sc, width=width)
             verify = {w: self._meta(b, 0, True, sv, width=w) for w in self.widths}
             p = self._plans[b] = _Plans(verify, block, causal, (sv, sb, sc))
         return p
@@ -584,30 +615,35 @@ class ModelRunner:
         return pos.reshape(-1), slots, valid, s0, qlen
 
     def _draft_fn(self, b: int, width: int | None = None) -> None:
-        """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): the block
-        of ``B`` positions runs through the drafter; below the full width, its last layer's
-        output projection and MLP, and the LM head, run only over the ``width - 1`` drafts the
-        verify step of that width reads."""
+        """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): a block of
+        ``R = draft_rows[width]`` positions runs through the drafter (``R = width`` below the
+        full width unless ``draft_block="full"``); below ``R``, its last layer's output
+        projection and MLP, and the LM head, run only over the ``width - 1`` drafts the verify
+        step of that width reads."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
         w = B if width is None else width
+        R = self.draft_rows.get(w, B)
         self._assemble(b)
-        pos, slots, valid, s0, qlen = self._positions(b)
+        pos, slots, valid, s0, qlen = self._positions(b, R)
         plans = self.plans(b)
+        if R < B:       # the block plan's query lengths: min(block length, R)
+            qlen = qlen.clamp_max(R)
+            self.qlenv32[:b].copy_(qlen)
         self.seq_lens[1, :b].copy_(s0)
-        if plans.causal is not None:
+        if plans.causal:
             self.seq_lens[2, :b].copy_(torch.where(valid, s0 + qlen, 0))
-        ids = torch.full((b, B), cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        ids = torch.full((b, R), cfg.mask_token_id, dtype=torch.int64, device=self.device)
         ids[:, 0] = self.tok[:b]
         noise = self.target.embed(ids.reshape(-1))
         if cfg.input_embedding_scale != 1.0:
             noise = noise * cfg.input_embedding_scale
-        attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block,
-                                              plans.causal, slots.reshape(-1),
+        attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block[R],
+                                              plans.causal.get(R), slots.reshape(-1),
                                               impl=self.attn_impl)
-        if w < B:
-            h = d(noise, pos, attn, rows=(B, 1, w))
-        else:   # the full block's rows as the reference runs them (same products' shapes)
-            h = d(noise, pos, attn).view(b, B, -1)[:, 1:].reshape(b * (B - 1), -1)
+        if w < R:
+            h = d(noise, pos, attn, rows=(R, 1, w))
+        else:   # the whole block's rows as the reference runs them (same products' shapes)
+            h = d(noise, pos, attn).view(b, R, -1)[:, 1:].reshape(b * (R - 1), -1)
         self.drafts[:b, :w - 1].copy_(
             self._greedy(h.to(self.target.dtype), drafter=True).view(b, w - 1))
 
@@ -725,5 +761,5 @@ class ModelRunner:
         """The general path (:class:`~.general.GeneralPath`)."""
         return self.general.run(items)
 
-__all__ = ["GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
-           "graph_batch_size", "default_ladder", "graphs_enabled", "overlap_enabled"]
+__all__ = ["DRAFT_BLOCK_ENV", "GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
+           "draft_block_mode", "graph_batch_size", "default_ladder", "graphs_enabled", "overlap_enabled"]

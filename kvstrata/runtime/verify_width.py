@@ -18,7 +18,11 @@ tokens per unit of device time::
     V*   = argmax_V E(V) / T(b, V)
 
 ``p_j`` is the probability that draft ``j`` is accepted when drafts ``1 .. j-1`` were,
-counted from the steps' results. A position a step did not verify is not a trial (the counts
+counted from the steps' results. The runner drafts a block of ``V`` positions at width ``V``
+(``RunnerConfig.draft_block``), so the drafts at two widths are not the same tokens; one set of
+counts for every width assumes a draft's acceptance depends little on the block behind it
+(greedy AL of the shipped pair, a block of V against the 16-block's first V - 1 drafts: within
+3% at V = 2, 4, 8; docs/benchmarks.md, eleventh runner session). A position a step did not verify is not a trial (the counts
 are censored at each step's width). Each position's estimate is shrunk toward the rate pooled
 over every position, ``(a_j + q) / (t_j + 1)`` with ``q = (sum a + 1) / (sum t + 1)``, so a
 position no step has reached yet takes the pooled rate, and a new engine (no counts: ``q =

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 import tiny_dflash as td
-from kvstrata.runtime import LLM, CacheConfig, SamplingParams
+from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
+from kvstrata.runtime.runner import DRAFT_BLOCK_ENV
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (5, 11, 18)] + [
     [(13 * i + 1) % 290 for i in range(n)] for n in (2, 9, 23)]
@@ -39,6 +40,30 @@ def test_tokens_and_acceptance_match_reference(ckpts, target, drafter, block):
     if target == "agree":
         # The crafted pair really exercises multi-token acceptance (full blocks included).
         assert max(all_al) == (block or 4) and sum(a > 1 for a in all_al) >= 5
+
+
+@pytest.mark.parametrize("drafter,width", [("drafter", 2), ("drafter", 3), ("sliding", 2)])
+def test_narrow_verify_width_drafts_the_references_block_of_that_width(ckpts, drafter, width,
+                                                                       monkeypatch):
+    """At a verify width V below the block (``draft_block="width"``, the default) the step is
+    the reference's with block size V: same tokens, same acceptance lengths."""
+    monkeypatch.delenv(DRAFT_BLOCK_ENV, raising=False)
+    llm = _llm(ckpts, "agree", drafter, runner=RunnerConfig(verify_widths=(width,)))
+    assert llm.block_size == 4 and llm.runner.draft_rows == {width: width}
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=19))
+    ref, hf = ckpts[drafter][1], ckpts["agree"][1]
+    all_al = []
+    for p, o in zip(PROMPTS, outs):
+        toks, al = td.reference_generate(ref, hf, p, 19, block_size=width)
+        assert o.token_ids == toks and o.acceptance_lengths == al, p
+        all_al += al
+    assert max(all_al) == width
+    # the whole block drafted instead: the same tokens (greedy), the block's drafts
+    monkeypatch.setenv(DRAFT_BLOCK_ENV, "full")
+    full = _llm(ckpts, "agree", drafter, runner=RunnerConfig(verify_widths=(width,)))
+    assert full.runner.draft_rows == {width: 4}
+    assert [o.token_ids for o in full.generate(PROMPTS, SamplingParams(max_tokens=19))] == [
+        o.token_ids for o in outs]
 
 
 def test_stop_tokens_match_reference(ckpts):

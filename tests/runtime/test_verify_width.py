@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
+from kvstrata.runtime.runner import DRAFT_BLOCK_ENV, draft_block_mode
 from kvstrata.runtime.verify_width import (WIDTHS_ENV, WidthPolicy, default_widths,
                                            parse_widths)
 
@@ -33,6 +34,19 @@ def test_default_and_parsed_widths():
     with pytest.raises(ValueError, match="positive integers"):
         RunnerConfig(verify_widths=(0, 4))
     assert RunnerConfig(verify_widths=[8, 4]).verify_widths == (8, 4)
+
+
+def test_draft_block_setting_and_environment(monkeypatch):
+    monkeypatch.delenv(DRAFT_BLOCK_ENV, raising=False)
+    assert draft_block_mode(RunnerConfig()) == "width"
+    assert draft_block_mode(RunnerConfig(draft_block="full")) == "full"
+    with pytest.raises(ValueError, match="draft_block must be one of"):
+        RunnerConfig(draft_block="half")
+    monkeypatch.setenv(DRAFT_BLOCK_ENV, "FULL")
+    assert draft_block_mode(RunnerConfig()) == "full"            # the environment wins
+    monkeypatch.setenv(DRAFT_BLOCK_ENV, "narrow")
+    with pytest.raises(ValueError, match=f"{DRAFT_BLOCK_ENV}='narrow': use one of width, full"):
+        draft_block_mode(RunnerConfig())
 
 
 def test_censored_counts():
