@@ -10,8 +10,8 @@ This script measures the alternative the ninth session's note proposed, as a pro
 C++ (compiled here with NVRTC through CuPy): one persistent launch for the whole chain, one
 block per multiprocessor. A producer warp streams the block's share of *every* product's weight
 rows, in chain order, into a ring of shared-memory stages with Hopper bulk copies
-(``cp.async.bulk`` + mbarriers); eight consumer warps, each on a stage of its own, multiply them
-by the product's input vector, write the block's output rows and meet the other blocks at a grid
+(``cp.async.bulk`` + mbarriers); up to twelve consumer warps, each on stages of its own,
+multiply them by the product's input vector, write the block's output rows and meet the other blocks at a grid
 barrier before the next product. Weight loads do not depend on the barrier, so the memory
 system keeps streaming the next product's rows while the blocks wait for each other.
 
@@ -45,7 +45,17 @@ from kvstrata.kernels.gemv import gemv  # noqa: E402
 #: Qwen3-8B layer: (N, K) of q/k/v, o_proj, gate/up, down
 LAYER = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 CHUNK = 16384           # bytes per ring stage
-CONSUMERS = 8           # consumer warps (256 threads); warp 8 is the producer
+MAX_CONSUMERS = 12      # consumer warps at most; the warp after them is the producer
+
+
+def consumers(stages: int) -> int:
+    """Consumer warps for a ring: the largest divisor of ``stages`` up to MAX_CONSUMERS. Chunk
+    ``i`` goes to warp ``i mod NCONS``; with ``NCONS`` dividing ``STAGES`` every phase of a
+    stage is taken by one warp, in order. (With 8 warps on 12 stages, a warp could wait on a
+    stage's phase ``n`` before phase ``n - 1`` completed: ``try_wait.parity`` on the older
+    parity returns at once, the warp read a stale stage and released it early. That version's
+    figures, docs/benchmarks.md tenth session part 7, ran with this race.)"""
+    return max(n for n in range(1, MAX_CONSUMERS + 1) if stages % n == 0)
 
 SOURCE = r"""
 typedef unsigned short bf16_t;
@@ -150,7 +160,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
         return;
     }
 
-    // consumers: 256 threads
+    // consumers: NCONS warps
     const int ct = tid;                          // 0 .. NCONS*32-1
     u32 i = 0;
     for (int p = 0; p < P; ++p) {
@@ -237,7 +247,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
 
 def build(stages: int, barrier: bool = True, chunk: int = CHUNK, consume: bool = True):
     import cupy as cp
-    src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": CONSUMERS,
+    src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": consumers(stages),
                     "barrier": int(barrier), "consume": int(consume)}
     try:
         mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
@@ -321,7 +331,7 @@ def main():
         def run():
             counter.zero_()
             with stream:
-                k((G,), ((CONSUMERS + 1) * 32,),
+                k((G,), ((consumers(stages) + 1) * 32,),
                   (c(wptr), c(Ns), c(Ks), c(yptr), c(x0), np.int32(P), c(counter)),
                   shared_mem=smem)
         run()
