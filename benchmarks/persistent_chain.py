@@ -11,9 +11,10 @@ C++ (compiled here with NVRTC through CuPy): one persistent launch for the whole
 block per multiprocessor. A producer warp streams the block's share of *every* product's weight
 rows, in chain order, into a ring of shared-memory stages with Hopper bulk copies
 (``cp.async.bulk`` + mbarriers); up to twelve consumer warps, each on stages of its own,
-multiply them by the product's input vector, write the block's output rows and meet the other blocks at a grid
-barrier before the next product. Weight loads do not depend on the barrier, so the memory
-system keeps streaming the next product's rows while the blocks wait for each other.
+multiply them by the product's input vector, write the block's output rows and meet the other
+blocks at a grid barrier before the next product. Weight loads do not depend on the barrier,
+so the memory system keeps streaming the next product's rows while the blocks wait for each
+other.
 
 It is a measurement, not a kernel of the library: the products are chained as ``x_{p+1} =
 y_p[:K_{p+1}]`` (no norms, SiLU, attention), the reductions use shared-memory atomics (not

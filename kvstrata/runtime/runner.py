@@ -761,5 +761,6 @@ class ModelRunner:
         """The general path (:class:`~.general.GeneralPath`)."""
         return self.general.run(items)
 
-__all__ = ["DRAFT_BLOCK_ENV", "GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV", "RunnerConfig", "StepItem",
-           "draft_block_mode", "graph_batch_size", "default_ladder", "graphs_enabled", "overlap_enabled"]
+__all__ = ["DRAFT_BLOCK_ENV", "GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV",
+           "RunnerConfig", "StepItem", "draft_block_mode", "graph_batch_size", "default_ladder",
+           "graphs_enabled", "overlap_enabled"]
