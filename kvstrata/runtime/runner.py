@@ -336,10 +336,12 @@ class ModelRunner:
     def stats(self) -> dict:
         """Steps so far: ``decode_steps`` (of which ``graph_steps`` replayed graphs) and
         ``general_steps``; the verify widths, the width last chosen per batch size and the
-        drafts' estimated acceptance by position (:class:`~.verify_width.WidthPolicy`)."""
+        drafts' estimated acceptance by position (:class:`~.verify_width.WidthPolicy`), and
+        the draft block's rows at each verify width (``draft_rows``)."""
         out: dict = dict(self._stats)
         if self.drafter is not None:
             out.update(self.width_policy.stats())
+            out["draft_rows"] = {int(w): int(r) for w, r in self.draft_rows.items()}
         return out
 
     def _widths(self, config: RunnerConfig) -> tuple[int, ...]:

@@ -49,7 +49,7 @@ def test_narrow_verify_width_drafts_the_references_block_of_that_width(ckpts, dr
     the reference's with block size V: same tokens, same acceptance lengths."""
     monkeypatch.delenv(DRAFT_BLOCK_ENV, raising=False)
     llm = _llm(ckpts, "agree", drafter, runner=RunnerConfig(verify_widths=(width,)))
-    assert llm.block_size == 4 and llm.runner.draft_rows == {width: width}
+    assert llm.block_size == 4 and llm.stats()["runner"]["draft_rows"] == {width: width}
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=19))
     ref, hf = ckpts[drafter][1], ckpts["agree"][1]
     all_al = []
