@@ -185,7 +185,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
             if ((int)(i %% NCONS) == warp) {
                 const u32 s = i %% STAGES, n = i / STAGES;
                 mbar_wait(&full[s], n & 1);
-                if (!CONSUME) {                  // the stream alone: release the stage at once
+                if (CONSUME == 0) {              // the stream alone: release the stage at once
                     __syncwarp();
                     if (lane == 0) mbar_arrive(&empty[s]);
                     col0 += CHUNK / 2;
@@ -213,16 +213,22 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
                         if (j * 256 < split) sa0 += t; else sa1 += t;
                     }
                 }
+                if (CONSUME == 2) {              // the products without their reductions
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty[s]);
+                    if (sa0 + sa1 == 1.2345e30f) acc[row0] = sa0;   // keeps the FMAs
+                } else {
 #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) {
-                    sa0 += __shfl_xor_sync(0xffffffffu, sa0, o);
-                    sa1 += __shfl_xor_sync(0xffffffffu, sa1, o);
-                }
-                __syncwarp();
-                if (lane == 0) {
-                    mbar_arrive(&empty[s]);
-                    atomicAdd(&acc[row0], sa0);
-                    if (split < nel) atomicAdd(&acc[row0 + 1], sa1);
+                    for (int o = 16; o > 0; o >>= 1) {
+                        sa0 += __shfl_xor_sync(0xffffffffu, sa0, o);
+                        sa1 += __shfl_xor_sync(0xffffffffu, sa1, o);
+                    }
+                    __syncwarp();
+                    if (lane == 0) {
+                        mbar_arrive(&empty[s]);
+                        atomicAdd(&acc[row0], sa0);
+                        if (split < nel) atomicAdd(&acc[row0 + 1], sa1);
+                    }
                 }
             }
             col0 += CHUNK / 2;
@@ -232,7 +238,17 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
         bf16_t* y = (bf16_t*)yptr[p];
         for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
         asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        if (BARRIER && p + 1 < P) {              // grid barrier: every block's rows of y_p
+        if (BARRIER == 2 && p + 1 < P) {         // flags: block c sets its own, each
+            u32* f = counter + (u64)p * G;        // thread ct < G polls block ct's
+            if (ct == 0) {
+                __threadfence();
+                asm volatile("st.release.gpu.global.u32 [%%0], %%1;" :: "l"(f + c), "r"(1u)
+                             : "memory");
+            }
+            if (ct < G) { while (ld_acquire(f + ct) == 0) { } }
+            asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        }
+        if (BARRIER == 1 && p + 1 < P) {         // grid barrier: every block's rows of y_p
             if (ct == 0) {
                 __threadfence();
                 atomicAdd(counter, 1u);
@@ -246,10 +262,12 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
 """
 
 
-def build(stages: int, barrier: bool = True, chunk: int = CHUNK, consume: bool = True):
+def build(stages: int, barrier: int = 1, chunk: int = CHUNK, consume: int = 1):
+    """barrier: 0 none, 1 one arrival counter, 2 a flag per (product, block); consume: 0 the
+    stream alone, 1 the products, 2 the products without their reductions (wrong values)."""
     import cupy as cp
     src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": consumers(stages),
-                    "barrier": int(barrier), "consume": int(consume)}
+                    "barrier": barrier, "consume": consume}
     try:
         mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
         k = mod.get_function("chain")
@@ -292,8 +310,9 @@ def main():
     yptr = torch.tensor([y.data_ptr() for y in ys], dtype=torch.int64, device=dev)
     Ns = torch.tensor([n for n, _ in shapes], dtype=torch.int32, device=dev)
     Ks = torch.tensor([k for _, k in shapes], dtype=torch.int32, device=dev)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
     G = torch.cuda.get_device_properties(dev).multi_processor_count
+    counter = torch.zeros(P * G, dtype=torch.int32, device=dev)   # the counter, or the flags
+    no_rows = torch.zeros_like(Ns)
     nbytes = sum(w.numel() * 2 for w in ws)
     bw = copy_rate()
     floor = nbytes / bw * 1e3
@@ -323,9 +342,16 @@ def main():
     row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
-    # per ring: the chain; without its grid barriers; the weight stream alone (no products)
-    modes = ((True, True), (False, True), (False, False))
-    for (kb, stages), (barrier, consume) in [(r, m) for r in rings for m in modes]:
+    # per ring: the chain (grid barrier by one counter, or by per-block flags); without the
+    # barriers (the products alone, then without their reductions); the weight stream alone;
+    # and the barriers alone (no weight rows: each product's input reload and barrier)
+    modes = (("chain, one arrival counter", 1, 1, Ns), ("chain, a flag per block", 2, 1, Ns),
+             ("no grid barriers (wrong values): the products", 0, 1, Ns),
+             ("no grid barriers, the products without their reductions", 0, 2, Ns),
+             ("the weight stream alone (bulk copies into the ring)", 0, 0, Ns),
+             ("no weight rows: input reloads + counter barriers", 1, 1, no_rows),
+             ("no weight rows: input reloads + flag barriers", 2, 1, no_rows))
+    for (kb, stages), (label, barrier, consume, ns) in [(r, m) for r in rings for m in modes]:
         chunk = kb * 1024
         k, smem = build(stages, barrier, chunk, consume)
 
@@ -333,26 +359,21 @@ def main():
             counter.zero_()
             with stream:
                 k((G,), ((consumers(stages) + 1) * 32,),
-                  (c(wptr), c(Ns), c(Ks), c(yptr), c(x0), np.int32(P), c(counter)),
+                  (c(wptr), c(ns), c(Ks), c(yptr), c(x0), np.int32(P), c(counter)),
                   shared_mem=smem)
         run()
         torch.cuda.synchronize()
         # each product against torch on the kernel's own input (its rounding differs)
-        err = 0.0
-        for p in range(min(P, 8) if barrier else 0):
-            xin = x0 if p == 0 else ys[p - 1]
-            want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
-            err = max(err, (ys[p].float() - want).abs().max().item()
-                      / max(want.abs().max().item(), 1e-6))
-        if barrier:
-            row(f"persistent, {G} blocks, {stages} x {kb} KB stages (max rel err of "
-                f"the first 8 products {err:.1e})", timed(run))
-        elif consume:   # products read stale inputs: the time is what counts
-            row(f"persistent without the grid barriers (wrong values; the weight stream and "
-                f"the consumers alone), {stages} x {kb} KB stages", timed(run))
-        else:
-            row(f"the weight stream alone (bulk copies into the ring, no products), {stages} x "
-                f"{kb} KB stages", timed(run))
+        err = None
+        if barrier and ns is Ns:
+            err = 0.0
+            for p in range(min(P, 8)):
+                xin = x0 if p == 0 else ys[p - 1]
+                want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
+                err = max(err, (ys[p].float() - want).abs().max().item()
+                          / max(want.abs().max().item(), 1e-6))
+        note = "" if err is None else f" (max rel err of the first 8 products {err:.1e})"
+        row(f"{label}, {G} blocks, {stages} x {kb} KB stages{note}", timed(run))
 
     def graph_of(fn):
         s = torch.cuda.Stream()
