@@ -58,19 +58,13 @@ def consumers(stages: int) -> int:
     figures, docs/benchmarks.md tenth session part 7, ran with this race.)"""
     return max(n for n in range(1, MAX_CONSUMERS + 1) if stages % n == 0)
 
-SOURCE = r"""
+#: Device helpers shared with ``dataflow_chain.py`` (a %-template: ``%%`` escapes):
+#: shared-memory addresses, mbarriers, bulk copies, bf16 conversions, L2 loads.
+HELPERS = r"""
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 struct alignas(16) v4 { u32 x, y, z, w; };
-
-#define CHUNK %(chunk)d
-#define STAGES %(stages)d
-#define NCONS %(ncons)d
-#define MAXK 12288
-#define MAXROWS 256
-#define BARRIER %(barrier)d
-#define CONSUME %(consume)d
 
 __device__ __forceinline__ u32 sa(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -117,6 +111,18 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     return v;
 }
 
+"""
+
+SOURCE = r"""
+#define CHUNK %(chunk)d
+#define STAGES %(stages)d
+#define NCONS %(ncons)d
+#define MAXK 12288
+#define MAXROWS 256
+#define BARRIER %(barrier)d
+#define CONSUME %(consume)d
+
+""" + HELPERS + r"""
 // Rows [r0, r1) of an N-row product for block c of G.
 __device__ __forceinline__ void rows_of(int N, int c, int G, int* r0, int* r1) {
     *r0 = (int)(((long long)N * c) / G);
