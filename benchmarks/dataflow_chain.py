@@ -234,13 +234,16 @@ def build(stages: int, chunk: int, wait: bool, consume: bool):
 
 
 def main():
+    global SG
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--rings", nargs="+", default=["16x10", "12x12"],
                     help="ring stages as KBxCOUNT (shared memory: count x KB + 49 KB)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sg", type=int, default=4, help="blocks per input slice")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    SG = args.sg
     rings = [tuple(map(int, r.split("x"))) for r in args.rings]
     import cupy as cp
 
