@@ -128,8 +128,8 @@ class RunnerConfig:
 
     def __post_init__(self) -> None:
         if self.draft_block not in DRAFT_BLOCKS:
-            raise ValueError(f"RunnerConfig.draft_block must be one of {DRAFT_BLOCKS}, got "
-                             f"{self.draft_block!r}")
+            raise ValueError(f"RunnerConfig.draft_block must be one of "
+                             f"{', '.join(DRAFT_BLOCKS)}, got {self.draft_block!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"RunnerConfig.overlap must be True, False or None (by device), "
                              f"got {self.overlap!r}")
