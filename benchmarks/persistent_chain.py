@@ -265,23 +265,144 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
         }
     }
 }
+
+// The same chain with tensor-core consumers: a stage is 8 weight rows x CW columns (8 bulk
+// copies, rows CW * 2 + 64 bytes apart in shared memory: a quarter-warp's 16-byte loads of two
+// rows fall in distinct banks), and a warp multiplies
+// it with mma.m16n8k16 (bf16 in, fp32 out) whose A has one useful row, x. Columns are taken in
+// a permuted order (the same for A and B), so a lane reads 16 contiguous bytes of its row per
+// two mmas. Lanes 0-3 end with the 8 rows' partial sums (2 each).
+#define CW (CHUNK / 16)
+#define RSTRIDE (CW * 2 + 64)
+#define STG (8 * RSTRIDE)
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a2, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%%0, %%1, %%2, %%3}, {%%4, %%5, %%6, %%7}, {%%8, %%9}, "
+                 "{%%0, %%1, %%2, %%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__((NCONS + 1) * 32, 1)
+chain_mma(const u64* __restrict__ wptr, const int* __restrict__ Ns,
+          const int* __restrict__ Ks, const u64* __restrict__ yptr,
+          const bf16_t* __restrict__ x0, int P, u32* counter) {
+    extern __shared__ unsigned char smem[];
+    unsigned char* ring = smem;
+    bf16_t* xs = (bf16_t*)(smem + STAGES * STG);
+    float* acc = (float*)(smem + STAGES * STG + MAXK * 2);
+    u64* full = (u64*)(smem + STAGES * STG + MAXK * 2 + MAXROWS * 4);
+    u64* empty = full + STAGES;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = blockIdx.x, G = gridDim.x;
+    if (tid == 0) {
+        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == NCONS) {      // producer: per product, row groups of 8, column chunks of CW
+        if (lane == 0) {
+            u32 i = 0;
+            for (int p = 0; p < P; ++p) {
+                int r0, r1;
+                rows_of(Ns[p], c, G, &r0, &r1);
+                const int K = Ks[p];
+                const bf16_t* w = (const bf16_t*)wptr[p];
+                for (int g0 = r0; g0 < r1; g0 += 8) {
+                    const int nr = min(8, r1 - g0);
+                    for (int k0 = 0; k0 < K; k0 += CW, ++i) {
+                        const u32 s = i %% STAGES, n = i / STAGES;
+                        if (n > 0) mbar_wait(&empty[s], (n - 1) & 1);
+                        mbar_expect(&full[s], (u32)(nr * CW * 2));
+                        for (int r = 0; r < nr; ++r)
+                            bulk_copy(ring + s * STG + r * RSTRIDE,
+                                      w + (u64)(g0 + r) * K + k0, CW * 2, &full[s]);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    const int ct = tid, g = lane >> 2, q = lane & 3;
+    u32 i = 0;
+    for (int p = 0; p < P; ++p) {
+        const int K = Ks[p];
+        int r0, r1;
+        rows_of(Ns[p], c, G, &r0, &r1);
+        const bf16_t* xin = p == 0 ? x0 : (const bf16_t*)yptr[p - 1];
+        for (int e = ct * 8; e < K; e += NCONS * 32 * 8)
+            *(v4*)(xs + e) = ld_cg(xin + e);
+        for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        for (int g0 = r0; g0 < r1; g0 += 8) {
+            const int nr = min(8, r1 - g0);
+            for (int k0 = 0; k0 < K; k0 += CW, ++i) {
+                if ((int)(i %% NCONS) != warp) continue;
+                const u32 s = i %% STAGES, n = i / STAGES;
+                mbar_wait(&full[s], n & 1);
+                if (CONSUME) {
+                    float cc[4] = {0.f, 0.f, 0.f, 0.f};
+                    const unsigned char* row = ring + s * STG + g * RSTRIDE + q * 16;
+                    const bf16_t* xq = xs + k0 + q * 8;
+#pragma unroll 4
+                    for (int kk = 0; kk < CW; kk += 32) {
+                        const v4 b = *(const v4*)(row + kk * 2);
+                        v4 a = {0u, 0u, 0u, 0u};
+                        if (g == 0) a = *(const v4*)(xq + kk);
+                        mma16816(cc, a.x, a.y, b.x, b.y);
+                        mma16816(cc, a.z, a.w, b.z, b.w);
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty[s]);
+                    if (g == 0) {     // rows 2q, 2q + 1 of the group
+                        if (2 * q < nr) atomicAdd(&acc[g0 - r0 + 2 * q], cc[0]);
+                        if (2 * q + 1 < nr) atomicAdd(&acc[g0 - r0 + 2 * q + 1], cc[1]);
+                    }
+                } else {
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&empty[s]);
+                }
+            }
+        }
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        bf16_t* y = (bf16_t*)yptr[p];
+        for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
+        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        if (BARRIER == 1 && p + 1 < P) {
+            if (ct == 0) {
+                __threadfence();
+                atomicAdd(counter, 1u);
+                const u32 target = (u32)(p + 1) * G;
+                while (ld_acquire(counter) < target) { }
+            }
+            asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        }
+    }
+}
 """
 
 
-def build(stages: int, barrier: int = 1, chunk: int = CHUNK, consume: int = 1):
+def build(stages: int, barrier: int = 1, chunk: int = CHUNK, consume: int = 1,
+          mma: bool = False):
     """barrier: 0 none, 1 one arrival counter, 2 a flag per (product, block); consume: 0 the
-    stream alone, 1 the products, 2 the products without their reductions (wrong values)."""
+    stream alone, 1 the products, 2 the products without their reductions (wrong values);
+    mma: the tensor-core kernel (``chain_mma``: barriers 0/1, consume 0/1)."""
     import cupy as cp
+    name = "chain_mma" if mma else "chain"
     src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": consumers(stages),
                     "barrier": barrier, "consume": consume}
     try:
         mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
-        k = mod.get_function("chain")
+        k = mod.get_function(name)
     except Exception as e:    # noqa: BLE001 - the image's nvcc instead
         print(f"NVRTC: {str(e).splitlines()[0][:200]}; building with nvcc", flush=True)
         mod = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90"), backend="nvcc")
-        k = mod.get_function("chain")
-    smem = stages * chunk + 12288 * 2 + 256 * 4 + 2 * stages * 8
+        k = mod.get_function(name)
+    stage = chunk + 512 if mma else chunk      # the mma stages' rows are padded by 64 bytes
+    smem = stages * stage + 12288 * 2 + 256 * 4 + 2 * stages * 8
     k.max_dynamic_shared_size_bytes = smem
     return k, smem
 
@@ -293,6 +414,8 @@ def main():
                     help="ring stages as KBxCOUNT (8 or 16 KB: a stage spans at most two "
                          "weight rows)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--modes", choices=("all", "fma", "mma"), default="all",
+                    help="the FMA consumers' modes, the tensor-core ones, or both")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     try:
@@ -351,15 +474,22 @@ def main():
     # per ring: the chain (grid barrier by one counter, or by per-block flags); without the
     # barriers (the products alone, then without their reductions); the weight stream alone;
     # and the barriers alone (no weight rows: each product's input reload and barrier)
-    modes = (("chain, one arrival counter", 1, 1, Ns), ("chain, a flag per block", 2, 1, Ns),
-             ("no grid barriers (wrong values): the products", 0, 1, Ns),
-             ("no grid barriers, the products without their reductions", 0, 2, Ns),
-             ("the weight stream alone (bulk copies into the ring)", 0, 0, Ns),
-             ("no weight rows: input reloads + counter barriers", 1, 1, no_rows),
-             ("no weight rows: input reloads + flag barriers", 2, 1, no_rows))
-    for (kb, stages), (label, barrier, consume, ns) in [(r, m) for r in rings for m in modes]:
+    modes = (("chain, one arrival counter", 1, 1, Ns, False),
+             ("chain, a flag per block", 2, 1, Ns, False),
+             ("no grid barriers (wrong values): the products", 0, 1, Ns, False),
+             ("no grid barriers, the products without their reductions", 0, 2, Ns, False),
+             ("the weight stream alone (bulk copies into the ring)", 0, 0, Ns, False),
+             ("no weight rows: input reloads + counter barriers", 1, 1, no_rows, False),
+             ("no weight rows: input reloads + flag barriers", 2, 1, no_rows, False),
+             ("tensor cores (8 rows x 1/16 of the stage's bytes per row), one arrival counter",
+              1, 1, Ns, True),
+             ("tensor cores, no grid barriers (wrong values)", 0, 1, Ns, True),
+             ("tensor cores' layout, the weight stream alone", 0, 0, Ns, True))
+    modes = tuple(m for m in modes if args.modes == "all" or m[4] == (args.modes == "mma"))
+    for (kb, stages), (label, barrier, consume, ns, mma) in [(r, m) for r in rings
+                                                            for m in modes]:
         chunk = kb * 1024
-        k, smem = build(stages, barrier, chunk, consume)
+        k, smem = build(stages, barrier, chunk, consume, mma)
 
         def run():
             counter.zero_()
