@@ -401,10 +401,16 @@ def build(stages: int, barrier: int = 1, chunk: int = CHUNK, consume: int = 1,
         print(f"NVRTC: {str(e).splitlines()[0][:200]}; building with nvcc", flush=True)
         mod = cp.RawModule(code=src, options=("-std=c++17", "-arch=sm_90"), backend="nvcc")
         k = mod.get_function(name)
-    stage = chunk + 512 if mma else chunk      # the mma stages' rows are padded by 64 bytes
-    smem = stages * stage + 12288 * 2 + 256 * 4 + 2 * stages * 8
+    smem = smem_bytes(stages, chunk, mma)
     k.max_dynamic_shared_size_bytes = smem
     return k, smem
+
+
+def smem_bytes(stages: int, chunk: int, mma: bool) -> int:
+    """Dynamic shared memory of a ring: stages (the mma stages' rows padded by 64 bytes), the
+    input vector, the row sums and the mbarriers."""
+    stage = chunk + 512 if mma else chunk
+    return stages * stage + 12288 * 2 + 256 * 4 + 2 * stages * 8
 
 
 def main():
@@ -440,6 +446,9 @@ def main():
     Ns = torch.tensor([n for n, _ in shapes], dtype=torch.int32, device=dev)
     Ks = torch.tensor([k for _, k in shapes], dtype=torch.int32, device=dev)
     G = torch.cuda.get_device_properties(dev).multi_processor_count
+    # sm_90's opt-in limit per block (227 KB) where torch does not report it
+    limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin",
+                    232448)
     counter = torch.zeros(P * G, dtype=torch.int32, device=dev)   # the counter, or the flags
     no_rows = torch.zeros_like(Ns)
     nbytes = sum(w.numel() * 2 for w in ws)
@@ -489,6 +498,11 @@ def main():
     for (kb, stages), (label, barrier, consume, ns, mma) in [(r, m) for r in rings
                                                             for m in modes]:
         chunk = kb * 1024
+        if smem_bytes(stages, chunk, mma) > limit:
+            print(f"{label}, {stages} x {kb} KB stages: needs "
+                  f"{smem_bytes(stages, chunk, mma)} bytes of shared memory, the block has "
+                  f"{limit}: skipped", flush=True)
+            continue
         k, smem = build(stages, barrier, chunk, consume, mma)
 
         def run():
