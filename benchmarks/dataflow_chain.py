@@ -4,11 +4,11 @@
 barrier, the input's reload) and that its ring does not hide it (docs/benchmarks.md, eleventh
 runner session). This prototype removes the barrier. Rows of every product are split over the
 blocks in units of 16; the part of the next product's input that block ``j`` wrote is *slice*
-``j`` (grouped ``SG`` blocks to a slice). The weights are pre-tiled once, per product and
+``j`` (grouped ``--sg`` blocks to a slice). The weights are pre-tiled once, per product and
 block, into tiles of (the block's rows) x (one slice's columns), stored in the order the block
 uses them: its own slice first, then the next ones, round the ring. So each block streams one
 contiguous region per product, and a consumer warp about to use a slice waits only for the
-flags of the ``SG`` blocks that wrote it (then loads the slice from L2 into shared memory, once
+flags of the blocks that wrote it (then loads the slice from L2 into shared memory, once
 per block). A block meets its own warps at the end of a product (the output rows, then its
 flag); no block waits for all the others.
 
@@ -38,7 +38,6 @@ from runner_bench import copy_rate  # noqa: E402
 from kvstrata.kernels.gemv import gemv  # noqa: E402
 
 UNIT = 16               # rows per unit of the row split
-SG = 4                  # blocks per slice (group)
 
 SOURCE = r"""
 #define CHUNK %(chunk)d
@@ -205,27 +204,28 @@ def row_lo(n: int, c: int, g: int) -> int:
     return UNIT * ((n // UNIT) * c // g)
 
 
-def tile_order(n: int, k: int, prev_n: int, g: int, dev) -> torch.Tensor:
+def tile_order(n: int, k: int, prev_n: int, g: int, sg: int, dev) -> torch.Tensor:
     """Flat source indices (``row * k + col``) of an ``n x k`` weight in the kernel's order:
-    block-major; per block its tiles from its own slice on; each tile row-major."""
-    nq = -(-g // SG)
+    block-major; per block its tiles from its own slice (of ``sg`` blocks) on; each tile
+    row-major."""
+    nq = -(-g // sg)
     parts = []
     for c in range(g):
         lo, hi = row_lo(n, c, g), row_lo(n, c + 1, g)
         rows = torch.arange(lo, hi, device=dev, dtype=torch.int64)[:, None] * k
         for t in range(nq):
-            q = (c // SG + t) % nq
-            a = min(row_lo(prev_n, q * SG, g), k)
-            b = min(row_lo(prev_n, min(q * SG + SG, g), g), k)
+            q = (c // sg + t) % nq
+            a = min(row_lo(prev_n, q * sg, g), k)
+            b = min(row_lo(prev_n, min(q * sg + sg, g), g), k)
             if b > a:
                 parts.append((rows + torch.arange(a, b, device=dev)[None, :]).flatten())
     return torch.cat(parts)
 
 
-def build(stages: int, chunk: int, wait: bool, consume: bool):
+def build(stages: int, chunk: int, sg: int, wait: bool, consume: bool):
     import cupy as cp
     src = SOURCE % {"chunk": chunk, "stages": stages, "ncons": consumers(stages), "unit": UNIT,
-                    "sg": SG, "wait": int(wait), "consume": int(consume)}
+                    "sg": sg, "wait": int(wait), "consume": int(consume)}
     mod = cp.RawModule(code=src, options=("-std=c++17",), backend="nvrtc")
     k = mod.get_function("chain")
     smem = stages * chunk + 2 * 12288 * 2 + 256 * 4 + 2 * stages * 8 + stages * 24 + 2 * 64 * 4
@@ -234,7 +234,6 @@ def build(stages: int, chunk: int, wait: bool, consume: bool):
 
 
 def main():
-    global SG
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--rings", nargs="+", default=["16x10", "12x12"],
@@ -243,14 +242,14 @@ def main():
     ap.add_argument("--sg", type=int, default=4, help="blocks per input slice")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    SG = args.sg
+    sg = args.sg
     rings = [tuple(map(int, r.split("x"))) for r in args.rings]
     import cupy as cp
 
     dev = torch.device("cuda")
     G = torch.cuda.get_device_properties(dev).multi_processor_count
-    if -(-G // SG) > 64:
-        raise SystemExit(f"{G} multiprocessors: more than 64 slices of {SG}")
+    if -(-G // sg) > 64:
+        raise SystemExit(f"{G} multiprocessors: more than 64 slices of {sg}")
     torch.manual_seed(0)
     shapes = [s for _ in range(args.layers) for s in LAYER]
     P = len(shapes)
@@ -260,7 +259,7 @@ def main():
     for p, (n, k) in enumerate(shapes):
         key = (n, k, shapes[p - 1][0] if p else k)
         if key not in orders:
-            orders[key] = tile_order(*key, G, dev)
+            orders[key] = tile_order(*key, G, sg, dev)
         tiled.append(ws[p].flatten()[orders[key]])
     del orders
     ys = [torch.zeros(n, device=dev, dtype=torch.bfloat16) for n, _ in shapes]
@@ -276,7 +275,7 @@ def main():
     lines = [f"# dataflow product chain (no grid barriers), {torch.cuda.get_device_name()}", "",
              f"{args.layers} Qwen3-8B layers, weights {nbytes / 1e9:.2f} GB, copy rate "
              f"{bw / 1e12:.3f} TB/s, read floor {floor:.3f} ms; rows in units of {UNIT}, "
-             f"slices of {SG} blocks; CUDA-event medians of {args.reps}", "",
+             f"slices of {sg} blocks; CUDA-event medians of {args.reps}", "",
              "| chain | ms | x floor |", "|---|---|---|"]
 
     def timed(fn) -> float:
@@ -303,7 +302,7 @@ def main():
              ("without waiting for the flags (wrong values)", False, True),
              ("the tiled weight stream alone", False, False))
     for (kb, stages), (label, wait, consume) in [(r, m) for r in rings for m in modes]:
-        k, smem = build(stages, kb * 1024, wait, consume)
+        k, smem = build(stages, kb * 1024, sg, wait, consume)
 
         def run():
             flags.zero_()
