@@ -18,7 +18,10 @@ reductions use shared-memory atomics, and it needs sm_90. Printed, from one run:
 per ring the dataflow chain; the same without waiting for the flags (wrong values: the stream
 and the consumers alone); the tiled weight stream alone; the shipped ``gemv`` chain.
 
-    python3 benchmarks/dataflow_chain.py [--layers 36] [--rings 16x12 12x12] [--out FILE]
+    python3 benchmarks/dataflow_chain.py [--layers 36] [--rings 16x10 12x12] [--sg 4] [--out FILE]
+
+Measured on the H200 (it loses to the shipped chain): docs/benchmarks.md, eleventh runner
+session.
 """
 
 from __future__ import annotations

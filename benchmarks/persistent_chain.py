@@ -25,7 +25,9 @@ shipped) and cuBLAS (``F.linear``) in a CUDA graph.
 
     python3 benchmarks/persistent_chain.py [--layers 36] [--rings 16x12 8x24] [--out FILE]
 
-Measured on the H200: docs/benchmarks.md, tenth runner session, part 7.
+Measured on the H200: docs/benchmarks.md, tenth runner session, part 7 (with a race in the
+ring, since fixed), and the eleventh runner session (the barrier's cost, tensor-core consumers:
+``--modes mma``).
 """
 
 from __future__ import annotations
