@@ -32,10 +32,10 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from persistent_chain import HELPERS, LAYER, consumers  # noqa: E402
+from persistent_chain import (HELPERS, LAYER, Report, chain_graph, consumers,  # noqa: E402
+                              cuda_ms, max_rel_err)
 from runner_bench import copy_rate  # noqa: E402
 
 from kvstrata.kernels.gemv import gemv  # noqa: E402
@@ -74,10 +74,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
     int* sstate = (int*)(desc + STAGES);                            // [2][MAXQ]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x, G = gridDim.x, NQ = (G + SG - 1) / SG;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    ring_init(full, empty, STAGES);
     for (int r = tid; r < MAXROWS; r += blockDim.x) acc[r] = 0.f;
     for (int r = tid; r < 2 * MAXQ; r += blockDim.x) sstate[r] = 0;
     __syncthreads();
@@ -275,28 +272,12 @@ def main():
     nbytes = sum(w.numel() * 2 for w in ws)
     bw = copy_rate()
     floor = nbytes / bw * 1e3
-    lines = [f"# dataflow product chain (no grid barriers), {torch.cuda.get_device_name()}", "",
-             f"{args.layers} Qwen3-8B layers, weights {nbytes / 1e9:.2f} GB, copy rate "
-             f"{bw / 1e12:.3f} TB/s, read floor {floor:.3f} ms; rows in units of {UNIT}, "
-             f"slices of {sg} blocks; CUDA-event medians of {args.reps}", "",
-             "| chain | ms | x floor |", "|---|---|---|"]
-
-    def timed(fn) -> float:
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        fn()
-        torch.cuda.synchronize()
-        t = []
-        for _ in range(args.reps):
-            ev[0].record()
-            fn()
-            ev[1].record()
-            ev[1].synchronize()
-            t.append(ev[0].elapsed_time(ev[1]))
-        return float(np.median(t))
-
-    def row(name, ms):
-        lines.append(f"| {name} | {ms:.3f} | {ms / floor:.3f} |")
-        print(lines[-1], flush=True)
+    rep = Report([f"# dataflow product chain (no grid barriers), "
+                  f"{torch.cuda.get_device_name()}", "",
+                  f"{args.layers} Qwen3-8B layers, weights {nbytes / 1e9:.2f} GB, copy rate "
+                  f"{bw / 1e12:.3f} TB/s, read floor {floor:.3f} ms; rows in units of {UNIT}, "
+                  f"slices of {sg} blocks; CUDA-event medians of {args.reps}"], floor)
+    row = rep.row
 
     row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
@@ -319,35 +300,13 @@ def main():
         torch.cuda.synchronize()
         note = ""
         if wait:
-            err = 0.0
-            for p in list(range(min(P, 8))) + [P - 1]:
-                xin = x0 if p == 0 else ys[p - 1]
-                want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
-                err = max(err, (ys[p].float() - want).abs().max().item()
-                          / max(want.abs().max().item(), 1e-6))
+            err = max_rel_err(list(range(min(P, 8))) + [P - 1], shapes, ws, ys, x0)
             note = f" (max rel err of products 1-8 and the last {err:.1e})"
-        row(f"{label}, {G} blocks, {stages} x {kb} KB stages{note}", timed(run))
+        row(f"{label}, {G} blocks, {stages} x {kb} KB stages{note}", cuda_ms(run, args.reps))
 
-    outs = [None] * P
-
-    def fn():
-        x = x0[None]
-        for p, ((n, k), w) in enumerate(zip(shapes, ws)):
-            outs[p] = gemv(x[:, :k], w)
-            x = outs[p]
-    with torch.inference_mode():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            fn()
-        row("shipped `gemv`, one launch per product, PDL, CUDA graph", timed(gr.replay))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    g = chain_graph(shapes, ws, x0, gemv)
+    row("shipped `gemv`, one launch per product, PDL, CUDA graph", cuda_ms(g.replay, args.reps))
+    rep.write(args.out)
 
 
 if __name__ == "__main__":

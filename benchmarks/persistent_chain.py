@@ -107,6 +107,14 @@ __device__ __forceinline__ v4 ld_cg(const void* p) {   // L2, not a stale L1 lin
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
     return v;
 }
+// Thread 0 initialises a ring's full/empty mbarriers (one arrival each); the caller then
+// synchronises the block.
+__device__ __forceinline__ void ring_init(u64* full, u64* empty, int stages) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
@@ -131,6 +139,32 @@ __device__ __forceinline__ void rows_of(int N, int c, int G, int* r0, int* r1) {
     *r1 = (int)(((long long)N * (c + 1)) / G);
 }
 
+// The consumers' start of a product: its input vector into shared memory, the row sums zeroed.
+__device__ __forceinline__ void begin_product(bf16_t* xs, const bf16_t* xin, int K, float* acc,
+                                              int ct) {
+    for (int e = ct * 8; e < K; e += NCONS * 32 * 8)
+        *(v4*)(xs + e) = ld_cg(xin + e);
+    for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
+    asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+}
+
+// The consumers' end of a product: every warp's sums are in, the block's rows stored.
+__device__ __forceinline__ void store_rows(const float* acc, bf16_t* y, int n, int ct) {
+    asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+    for (int r = ct; r < n; r += NCONS * 32) y[r] = to_bf(acc[r]);
+    asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+}
+
+// Grid barrier: one arrival counter, ``target`` arrivals in all (every block's rows stored).
+__device__ __forceinline__ void counter_barrier(u32* counter, u32 target, int ct) {
+    if (ct == 0) {
+        __threadfence();
+        atomicAdd(counter, 1u);
+        while (ld_acquire(counter) < target) { }
+    }
+    asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+}
+
 extern "C" __global__ void __launch_bounds__((NCONS + 1) * 32, 1)
 chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __restrict__ Ks,
       const u64* __restrict__ yptr, const bf16_t* __restrict__ x0, int P, u32* counter) {
@@ -142,10 +176,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
     u64* empty = full + STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x, G = gridDim.x;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    ring_init(full, empty, STAGES);
     __syncthreads();
 
     if (warp == NCONS) {                        // producer: every product's rows, in order
@@ -177,11 +208,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
         int r0, r1;
         rows_of(Ns[p], c, G, &r0, &r1);
         // the product's input: x0, or the previous product's output (after the grid barrier)
-        const bf16_t* xin = p == 0 ? x0 : (const bf16_t*)yptr[p - 1];
-        for (int e = ct * 8; e < K; e += NCONS * 32 * 8)
-            *(v4*)(xs + e) = ld_cg(xin + e);
-        for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        begin_product(xs, p == 0 ? x0 : (const bf16_t*)yptr[p - 1], K, acc, ct);
         long long left = (long long)(r1 - r0) * K * 2;
         int row0 = 0, col0 = 0;                  // where the chunk starts in the block's rows
         // Each chunk goes to one warp (chunk i to warp i mod NCONS), so the warps work on
@@ -242,10 +269,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
             col0 += CHUNK / 2;
             while (col0 >= K) { col0 -= K; ++row0; }
         }
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        bf16_t* y = (bf16_t*)yptr[p];
-        for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        store_rows(acc, (bf16_t*)yptr[p] + r0, r1 - r0, ct);
         if (BARRIER == 2 && p + 1 < P) {         // flags: block c sets its own, each
             u32* f = counter + (u64)p * G;        // thread ct < G polls block ct's
             if (ct == 0) {
@@ -256,15 +280,8 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
             if (ct < G) { while (ld_acquire(f + ct) == 0) { } }
             asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
         }
-        if (BARRIER == 1 && p + 1 < P) {         // grid barrier: every block's rows of y_p
-            if (ct == 0) {
-                __threadfence();
-                atomicAdd(counter, 1u);
-                const u32 target = (u32)(p + 1) * G;
-                while (ld_acquire(counter) < target) { }
-            }
-            asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        }
+        if (BARRIER == 1 && p + 1 < P)           // grid barrier: every block's rows of y_p
+            counter_barrier(counter, (u32)(p + 1) * G, ct);
     }
 }
 
@@ -298,10 +315,7 @@ chain_mma(const u64* __restrict__ wptr, const int* __restrict__ Ns,
     u64* empty = full + STAGES;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x, G = gridDim.x;
-    if (tid == 0) {
-        for (int s = 0; s < STAGES; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    ring_init(full, empty, STAGES);
     __syncthreads();
 
     if (warp == NCONS) {      // producer: per product, row groups of 8, column chunks of CW
@@ -334,11 +348,7 @@ chain_mma(const u64* __restrict__ wptr, const int* __restrict__ Ns,
         const int K = Ks[p];
         int r0, r1;
         rows_of(Ns[p], c, G, &r0, &r1);
-        const bf16_t* xin = p == 0 ? x0 : (const bf16_t*)yptr[p - 1];
-        for (int e = ct * 8; e < K; e += NCONS * 32 * 8)
-            *(v4*)(xs + e) = ld_cg(xin + e);
-        for (int r = ct; r < MAXROWS; r += NCONS * 32) acc[r] = 0.f;
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
+        begin_product(xs, p == 0 ? x0 : (const bf16_t*)yptr[p - 1], K, acc, ct);
         for (int g0 = r0; g0 < r1; g0 += 8) {
             const int nr = min(8, r1 - g0);
             for (int k0 = 0; k0 < K; k0 += CW, ++i) {
@@ -369,19 +379,8 @@ chain_mma(const u64* __restrict__ wptr, const int* __restrict__ Ns,
                 }
             }
         }
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        bf16_t* y = (bf16_t*)yptr[p];
-        for (int r = ct; r < r1 - r0; r += NCONS * 32) y[r0 + r] = to_bf(acc[r]);
-        asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        if (BARRIER == 1 && p + 1 < P) {
-            if (ct == 0) {
-                __threadfence();
-                atomicAdd(counter, 1u);
-                const u32 target = (u32)(p + 1) * G;
-                while (ld_acquire(counter) < target) { }
-            }
-            asm volatile("bar.sync 1, %%0;" :: "r"(NCONS * 32) : "memory");
-        }
+        store_rows(acc, (bf16_t*)yptr[p] + r0, r1 - r0, ct);
+        if (BARRIER == 1 && p + 1 < P) counter_barrier(counter, (u32)(p + 1) * G, ct);
     }
 }
 """
@@ -413,6 +412,74 @@ def smem_bytes(stages: int, chunk: int, mma: bool) -> int:
     input vector, the row sums and the mbarriers."""
     stage = chunk + 512 if mma else chunk
     return stages * stage + 12288 * 2 + 256 * 4 + 2 * stages * 8
+
+
+def cuda_ms(fn, reps: int) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` (after one untimed call)."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    fn()
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(reps):
+        ev[0].record()
+        fn()
+        ev[1].record()
+        ev[1].synchronize()
+        t.append(ev[0].elapsed_time(ev[1]))
+    return float(np.median(t))
+
+
+class Report:
+    """The chain scripts' table: each row in ms and against the read floor, printed as it
+    comes; :meth:`write` saves the markdown."""
+
+    def __init__(self, head: list[str], floor: float):
+        self.floor = floor
+        self.lines = head + ["", "| chain | ms | x floor |", "|---|---|---|"]
+
+    def row(self, name: str, ms: float) -> None:
+        self.lines.append(f"| {name} | {ms:.3f} | {ms / self.floor:.3f} |")
+        print(self.lines[-1], flush=True)
+
+    def write(self, path: str | None) -> None:
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+
+def chain_graph(shapes, ws, x0, prod) -> torch.cuda.CUDAGraph:
+    """The products chained as the kernels chain them (``x_{p+1} = y_p[:K_{p+1}]``, each
+    ``prod(x, w)``), captured as one CUDA graph (warmed up on a side stream)."""
+    outs = [None] * len(ws)
+
+    def fn():
+        x = x0[None]
+        for p, ((_, k), w) in enumerate(zip(shapes, ws)):
+            outs[p] = prod(x[:, :k], w)
+            x = outs[p]
+    with torch.inference_mode():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    g.outs = outs          # the graph's outputs stay alive with it
+    return g
+
+
+def max_rel_err(ps, shapes, ws, ys, x0) -> float:
+    """The largest error of products ``ps`` relative to their largest value, each against
+    torch on the kernel's own input (``x0``, else the previous product's output)."""
+    err = 0.0
+    for p in ps:
+        xin = x0 if p == 0 else ys[p - 1]
+        want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
+        err = max(err, (ys[p].float() - want).abs().max().item()
+                  / max(want.abs().max().item(), 1e-6))
+    return err
 
 
 def main():
@@ -456,29 +523,11 @@ def main():
     nbytes = sum(w.numel() * 2 for w in ws)
     bw = copy_rate()
     floor = nbytes / bw * 1e3
-    lines = [f"# persistent one-row product chain, {torch.cuda.get_device_name()}", "",
-             f"{args.layers} Qwen3-8B layers (q/k/v, o_proj, gate/up, down), weights "
-             f"{nbytes / 1e9:.2f} GB, copy rate {bw / 1e12:.3f} TB/s, read floor "
-             f"{floor:.3f} ms; CUDA-event medians of {args.reps}", "",
-             "| chain | ms | x floor |", "|---|---|---|"]
-
-    def timed(fn) -> float:
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        fn()
-        torch.cuda.synchronize()
-        t = []
-        for _ in range(args.reps):
-            ev[0].record()
-            fn()
-            ev[1].record()
-            ev[1].synchronize()
-            t.append(ev[0].elapsed_time(ev[1]))
-        return float(np.median(t))
-
-    def row(name, ms):
-        lines.append(f"| {name} | {ms:.3f} | {ms / floor:.3f} |")
-        print(lines[-1], flush=True)
-
+    rep = Report([f"# persistent one-row product chain, {torch.cuda.get_device_name()}", "",
+                  f"{args.layers} Qwen3-8B layers (q/k/v, o_proj, gate/up, down), weights "
+                  f"{nbytes / 1e9:.2f} GB, copy rate {bw / 1e12:.3f} TB/s, read floor "
+                  f"{floor:.3f} ms; CUDA-event medians of {args.reps}"], floor)
+    row = rep.row
     row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
@@ -518,43 +567,15 @@ def main():
         # each product against torch on the kernel's own input (its rounding differs)
         err = None
         if barrier and ns is Ns:
-            err = 0.0
-            for p in range(min(P, 8)):
-                xin = x0 if p == 0 else ys[p - 1]
-                want = F.linear(xin[None, :shapes[p][1]].float(), ws[p].float())[0]
-                err = max(err, (ys[p].float() - want).abs().max().item()
-                          / max(want.abs().max().item(), 1e-6))
+            err = max_rel_err(range(min(P, 8)), shapes, ws, ys, x0)
         note = "" if err is None else f" (max rel err of the first 8 products {err:.1e})"
-        row(f"{label}, {G} blocks, {stages} x {kb} KB stages{note}", timed(run))
+        row(f"{label}, {G} blocks, {stages} x {kb} KB stages{note}", cuda_ms(run, args.reps))
 
-    def graph_of(fn):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
-    outs = [None] * P
-
-    def chain(prod):
-        def fn():
-            x = x0[None]
-            for p, ((n, k), w) in enumerate(zip(shapes, ws)):
-                outs[p] = prod(x[:, :k], w)
-                x = outs[p]
-        return fn
-    with torch.inference_mode():
-        g = graph_of(chain(lambda x, w: gemv(x, w)))
-        row("shipped `gemv`, one launch per product, PDL, CUDA graph", timed(g.replay))
-        g = graph_of(chain(lambda x, w: F.linear(x, w)))
-        row("cuBLAS (`F.linear`), CUDA graph", timed(g.replay))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    g = chain_graph(shapes, ws, x0, gemv)
+    row("shipped `gemv`, one launch per product, PDL, CUDA graph", cuda_ms(g.replay, args.reps))
+    g = chain_graph(shapes, ws, x0, F.linear)
+    row("cuBLAS (`F.linear`), CUDA graph", cuda_ms(g.replay, args.reps))
+    rep.write(args.out)
 
 
 if __name__ == "__main__":
