@@ -7,7 +7,8 @@
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
 # it: e.g. `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS;
-# AB_VARIANTS: more processes of this tree, each with ENV=v[+ENV=v...]); attn: batch-1 decode
+# AB_VARIANTS: more processes of this tree, each with ENV=v[+ENV=v...]; AB_ARGS: more
+# runner_bench arguments); attn: batch-1 decode
 # attention alone at 1k, 8k, 32k, split + merge against the fused merge; tiles: the q/k/v,
 # o_proj and down products over a tile grid, and L2-hot; gated: gate/up with SiLU in the
 # product against two launches; bench: runner_bench (batches 1 16 64; BENCH_ARGS); peer: the
@@ -70,7 +71,7 @@ for s in "${steps[@]}"; do
                *) IFS=+ read -ra envs <<< "$t" ;;
              esac
              env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches \
-               ${AB_BATCHES:-1} --steps 24 --attn-contexts 2>&1 | grep "^| [pvsd]"
+               ${AB_BATCHES:-1} --steps 24 --attn-contexts ${AB_ARGS:-} 2>&1 | grep "^| [pvsd]"
            done
          done > "$OUT/ab.log" 2>&1 ;;
     attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \

@@ -619,9 +619,9 @@ class ModelRunner:
     def _draft_fn(self, b: int, width: int | None = None) -> None:
         """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): a block of
         ``R = draft_rows[width]`` positions runs through the drafter (``R = width`` below the
-        full width unless ``draft_block="full"``); below ``R``, its last layer's output
-        projection and MLP, and the LM head, run only over the ``width - 1`` drafts the verify
-        step of that width reads."""
+        full width unless ``draft_block="full"``); below the full width, its last layer's
+        output projection and MLP, and the LM head, run only over the ``width - 1`` drafts the
+        verify step of that width reads (not over row 0, the pending token)."""
         d, cfg, B = self.drafter, self.drafter.cfg, self.B
         w = B if width is None else width
         R = self.draft_rows.get(w, B)
@@ -642,7 +642,7 @@ class ModelRunner:
         attn = PagedDraftAttention.from_plans(d, self.pool.kv["draft"], plans.block[R],
                                               plans.causal.get(R), slots.reshape(-1),
                                               impl=self.attn_impl)
-        if w < R:
+        if w < B:   # a narrow width: row 0 (the pending token) and rows past w are not read
             h = d(noise, pos, attn, rows=(R, 1, w))
         else:   # the whole block's rows as the reference runs them (same products' shapes)
             h = d(noise, pos, attn).view(b, R, -1)[:, 1:].reshape(b * (R - 1), -1)

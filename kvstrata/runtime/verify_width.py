@@ -61,9 +61,13 @@ WIDTHS_ENV = "KVSTRATA_VERIFY_WIDTHS"
 
 
 def default_widths(block: int) -> tuple[int, ...]:
-    """The full block, half and a quarter of it (at least 2 positions), widest first."""
-    return tuple(sorted({w for w in (block, block // 2, block // 4) if w >= 2} | {block},
-                        reverse=True))
+    """The full block, half and a quarter of it, and 2 positions (widths of at least 2),
+    widest first. Width 2 (one draft per step) is where a drafter that is seldom accepted
+    does best at batch 16-64: the 8B-shaped pair's speculative step at 64 x 1k takes 9.55 ms
+    at width 2 against 12.37 at 4, and the four widths' graph pool 814 MiB at batch 64
+    against 804 for three (docs/benchmarks.md, twelfth runner session)."""
+    keep = {w for w in (block, block // 2, block // 4, 2) if 2 <= w <= block}
+    return tuple(sorted(keep | {block}, reverse=True))
 
 
 def parse_widths(value, block: int, source: str) -> tuple[int, ...]:

@@ -19,7 +19,7 @@ PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)]
 
 
 def test_default_and_parsed_widths():
-    assert default_widths(16) == (16, 8, 4)
+    assert default_widths(16) == (16, 8, 4, 2) and default_widths(8) == (8, 4, 2)
     assert default_widths(4) == (4, 2)
     assert default_widths(2) == (2,) and default_widths(1) == (1,)
     assert parse_widths("4, 16,8,16", 16, WIDTHS_ENV) == (16, 8, 4)
