@@ -479,11 +479,13 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         pin_width(llm, w)
                         # products: w target rows, the draft block's rows (w, or B with
                         # draft_block="full"), w - 1 draft-head rows
-                        r = llm.runner.draft_rows[w]
+                        r = llm.runner.draft_rows.get(w, 0)     # width 1: no draft
                         mm_w = b * (w * w_t + r * w_d + (w - 1) * w_head)
                         pinned[w] = bench.overlapped_ms(args.steps)
                         row(f"{name}, overlapped, verify-{w}", b, ctx, pinned[w], None, floor,
                             mm_w / flops * 1e3)
+                        if not r:
+                            continue
                         row(f"draft (graph replay), verify-{w}, a block of {r}", b, ctx,
                             bench.graph_ms("draft", 50, width=w), None,
                             (w_d + w_head + b * ctx * kv_d) / bw * 1e3,

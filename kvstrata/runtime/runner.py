@@ -19,8 +19,8 @@ Two paths:
   block (a sequence's last, or one at the length limit) uses its first ``n`` rows (the plans
   carry per-row query lengths), the rest are masked: slot -1, never attended to, never
   accepted. With CUDA graphs on, the batch is padded to the next size of a ladder and two
-  graphs per size and width are replayed (draft, verify); padding rows carry slot -1 and
-  length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
+  graphs per size and width are replayed (draft, verify; at width 1 the verify graph alone);
+  padding rows carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
   ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
 - **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager
   forward (:class:`~.general.GeneralPath`, in its own module).
@@ -103,10 +103,11 @@ class RunnerConfig:
             sliding-window layers), so short contexts run short splits
             (``benchmarks/runner_bench.py --sweep``).
         verify_widths: the verify widths (positions a speculative step verifies per sequence,
-            ``2 .. block_size``) captured per batch size; each step runs the one with the most
-            expected tokens per unit of device time (:mod:`.verify_width`). ``None``
-            (default): the block, half and a quarter of it with CUDA graphs, the block without
-            (nothing times the widths then). One width pins it. The
+            ``1 .. block_size``; 1 drafts nothing) captured per batch size; each step runs the
+            one with the most expected tokens per unit of device time (:mod:`.verify_width`).
+            ``None`` (default): the block, half and a quarter of it, 2 and 1 with CUDA graphs
+            (:func:`~.verify_width.default_widths`), the block without (nothing times the
+            widths then). One width pins it. The
             ``KVSTRATA_VERIFY_WIDTHS`` environment variable (e.g. ``16`` or ``16,8,4``)
             overrides it.
         draft_block: the block the drafter runs at a verify width ``V`` below the block
@@ -267,7 +268,7 @@ class ModelRunner:
         self.width_policy = WidthPolicy(B, self.widths)
         #: rows per sequence of the draft block at each verify width (see ``draft_block``)
         narrow = draft_block_mode(config) == "width"
-        self.draft_rows = {w: w if narrow else B for w in self.widths}
+        self.draft_rows = {w: w if narrow else B for w in self.widths if w > 1}
         # Persistent device buffers (graphs read these addresses on every replay). ``small``
         # holds, per row, the pending token, the committed length (-1: padding row) and the
         # block length, then the three plans' split lengths; the step's first kernel
@@ -533,7 +534,7 @@ class ModelRunner:
             wev[0].record()
         if ev is not None:
             ev[0].record()
-        if self.drafter is not None:
+        if self.drafter is not None and w > 1:     # width 1: nothing to draft
             self.graphs[("draft", b, w)].replay() if use else self._draft_fn(b, w)
         if ev is not None:
             ev[1].record()
@@ -655,7 +656,7 @@ class ModelRunner:
         leaves ``[target tokens, count, positions verified]`` in ``self.out`` (captured)."""
         B = self.B
         W = B if width is None else width
-        if self.drafter is None:
+        if self.drafter is None or W == 1:      # no draft step ran this step's first kernel
             self._assemble(b)
         pos, slots, valid, s0, qlen = self._positions(b, W)
         plans = self.plans(b)
@@ -723,7 +724,7 @@ class ModelRunner:
             for b in sorted(self.ladder, reverse=True):
                 for w in self.widths:
                     stages = [("verify", self._verify_fn)]
-                    if self.drafter is not None:
+                    if self.drafter is not None and w > 1:
                         stages.insert(0, ("draft", self._draft_fn))
                     for name, fn in stages:
                         # Warm-up outside capture: Triton compiles, the split counters exist.
@@ -751,7 +752,7 @@ class ModelRunner:
                 times = []
                 for _ in range(reps + 1):
                     ev[0].record()
-                    if self.drafter is not None:
+                    if self.drafter is not None and w > 1:
                         self.graphs[("draft", b, w)].replay()
                     self.graphs[("verify", b, w)].replay()
                     ev[1].record()

@@ -9,7 +9,10 @@ verifies the pending token and the first ``V - 1`` drafts (``V <= B``) in one fo
   costs almost nothing over ``V = 4``;
 - at batch 16-64 the verify products are compute-bound (1024 rows at batch 64): their time
   grows with ``b * V``, while a sequence gains ever less from drafts deep in the block, each
-  accepted only if every earlier one was.
+  accepted only if every earlier one was;
+- ``V = 1`` drafts nothing: the step verifies the pending token alone, a plain decode step
+  that still writes the drafter's context (so a later step can draft again). It is the best
+  width when the drafts are accepted too seldom to pay for drafting them.
 
 :class:`WidthPolicy` picks, per captured batch size ``b``, the width with the most expected
 tokens per unit of device time::
@@ -61,18 +64,23 @@ WIDTHS_ENV = "KVSTRATA_VERIFY_WIDTHS"
 
 
 def default_widths(block: int) -> tuple[int, ...]:
-    """The full block, half and a quarter of it, and 2 positions (widths of at least 2),
-    widest first. Width 2 (one draft per step) is where a drafter that is seldom accepted
-    does best at batch 16-64: the 8B-shaped pair's speculative step at 64 x 1k takes 9.55 ms
-    at width 2 against 12.37 at 4, and the four widths' graph pool 814 MiB at batch 64
-    against 804 for three (docs/benchmarks.md, twelfth runner session)."""
-    keep = {w for w in (block, block // 2, block // 4, 2) if 2 <= w <= block}
+    """The full block, half and a quarter of it, 2 and 1, widest first.
+
+    Width 2 (one draft per step) is where a drafter that is seldom accepted does best at
+    batch 16-64: the 8B-shaped pair's speculative step at 64 x 1k takes 9.93 ms at width 2
+    against 12.64 at 4. Width 1 drafts nothing: the step verifies the pending token alone
+    (a plain decode step that also writes the drafter's context, so the drafter can take
+    over again), for a drafter accepted so seldom that drafting does not pay (at 64 x 1k,
+    below about a third of its drafts). Each width not chosen costs ~0.25% of throughput in
+    exploration steps (``explore_cost``) and one more graph per batch size
+    (docs/benchmarks.md, twelfth runner session)."""
+    keep = {w for w in (block, block // 2, block // 4, 2, 1) if 1 <= w <= block}
     return tuple(sorted(keep | {block}, reverse=True))
 
 
 def parse_widths(value, block: int, source: str) -> tuple[int, ...]:
-    """Validated widths, widest first: integers in ``[2, block]`` (``[1, 1]`` without a
-    drafter). ``value``: an iterable of ints or a comma-separated string."""
+    """Validated widths, widest first: integers in ``[1, block]`` (1: no drafts, see
+    :func:`default_widths`). ``value``: an iterable of ints or a comma-separated string."""
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",") if p.strip()]
         try:
@@ -85,9 +93,8 @@ def parse_widths(value, block: int, source: str) -> tuple[int, ...]:
         ws = list(value)
         if any(not isinstance(w, int) or isinstance(w, bool) for w in ws):
             raise ValueError(f"{source} must be integers, got {value!r}")
-    lo = min(2, block)
-    if not ws or any(not lo <= w <= block for w in ws):
-        raise ValueError(f"{source}={value!r}: verify widths are {lo}..{block} positions (the "
+    if not ws or any(not 1 <= w <= block for w in ws):
+        raise ValueError(f"{source}={value!r}: verify widths are 1..{block} positions (the "
                          f"draft block is {block})")
     return tuple(sorted(set(ws), reverse=True))
 

@@ -8,10 +8,12 @@ requests in one batch, and a target/drafter pair that agrees often (multi-token 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tiny_dflash as td
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
 from kvstrata.runtime.runner import DRAFT_BLOCK_ENV
+from kvstrata.runtime.verify_width import WIDTHS_ENV
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (5, 11, 18)] + [
     [(13 * i + 1) % 290 for i in range(n)] for n in (2, 9, 23)]
@@ -64,6 +66,42 @@ def test_narrow_verify_width_drafts_the_references_block_of_that_width(ckpts, dr
     assert full.runner.draft_rows == {width: 4}
     assert [o.token_ids for o in full.generate(PROMPTS, SamplingParams(max_tokens=19))] == [
         o.token_ids for o in outs]
+
+
+def test_width_one_steps_keep_the_draft_context(ckpts, monkeypatch):
+    """Width 1 drafts nothing, verifies the pending token alone and still writes the drafter's
+    context: after k width-1 steps the full-width steps are the reference's on the prompt
+    extended by those k tokens (same tokens, same acceptance lengths)."""
+    monkeypatch.delenv(WIDTHS_ENV, raising=False)
+    llm = _llm(ckpts, "agree", "drafter", runner=RunnerConfig(verify_widths=(4, 1)))
+    B, k = llm.block_size, 3
+    assert llm.runner.widths == (B, 1) and llm.stats()["runner"]["draft_rows"] == {B: B}
+    calls = []
+
+    def forced(b):          # the policy's choice, forced: k steps at width 1, then the block
+        calls.append(b)
+        return 1 if len(calls) <= k else B
+
+    monkeypatch.setattr(llm.runner.width_policy, "choose", forced)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=19))
+    ref, hf = ckpts["drafter"][1], ckpts["agree"][1]
+    later = []
+    for p, o in zip(PROMPTS, outs):
+        assert o.acceptance_lengths[:k] == [1] * k, p
+        toks, al = td.reference_generate(ref, hf, p + o.token_ids[:k], 19 - k)
+        assert o.token_ids[k:] == toks and o.acceptance_lengths[k:] == al, p
+        later += al
+    assert max(later) == B          # full blocks accepted after the width-1 steps
+    # The draft context itself (this pair's drafts hardly depend on it): every cached full
+    # page's draft K/V equals that of an engine pinned to the block.
+    full = _llm(ckpts, "agree", "drafter", runner=RunnerConfig(verify_widths=(B,)))
+    assert [o.token_ids for o in full.generate(PROMPTS, SamplingParams(max_tokens=19))] == [
+        o.token_ids for o in outs]
+    for p, o in zip(PROMPTS, outs):
+        a, c = full.mgr.lookup(p + o.token_ids), llm.mgr.lookup(p + o.token_ids)
+        assert a.num_tokens == c.num_tokens >= len(p) + k
+        torch.testing.assert_close(llm.pool.kv["draft"][c.page_ids],
+                                   full.pool.kv["draft"][a.page_ids])
 
 
 def test_stop_tokens_match_reference(ckpts):

@@ -19,14 +19,15 @@ PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)]
 
 
 def test_default_and_parsed_widths():
-    assert default_widths(16) == (16, 8, 4, 2) and default_widths(8) == (8, 4, 2)
-    assert default_widths(4) == (4, 2)
-    assert default_widths(2) == (2,) and default_widths(1) == (1,)
+    assert default_widths(16) == (16, 8, 4, 2, 1) and default_widths(8) == (8, 4, 2, 1)
+    assert default_widths(4) == (4, 2, 1)
+    assert default_widths(2) == (2, 1) and default_widths(1) == (1,)
     assert parse_widths("4, 16,8,16", 16, WIDTHS_ENV) == (16, 8, 4)
     assert parse_widths([2], 4, "cfg") == (2,)
+    assert parse_widths("1,16", 16, WIDTHS_ENV) == (16, 1)     # 1: no drafts
     assert parse_widths([1], 1, "cfg") == (1,)                 # no drafter: one position
-    for bad, match in (("16,x", "comma-separated integers"), ("1", r"2\.\.16"),
-                       ("17", r"2\.\.16"), ("", r"2\.\.16")):
+    for bad, match in (("16,x", "comma-separated integers"), ("0", r"1\.\.16"),
+                       ("17", r"1\.\.16"), ("", r"1\.\.16")):
         with pytest.raises(ValueError, match=match):
             parse_widths(bad, 16, WIDTHS_ENV)
     with pytest.raises(ValueError, match="integers"):
