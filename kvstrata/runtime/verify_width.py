@@ -47,11 +47,13 @@ the products, the LM heads, no context) plus two learned terms, both from measur
 Now and then a step runs at a width not chosen (*exploration*): the offsets stay current, and
 the steps at the full width keep the deep positions' counts following the workload. Each width
 not chosen runs once every ``cost / explore_cost`` steps of its batch size (at least
-``explore_every``, at most 32 times that), where ``cost = 1 - rate(V) / rate(V*)`` is the share
-of a step's expected tokens per millisecond it gives up: exploring costs about ``explore_cost``
-of the throughput per width. At batch 64 x 1k, where the full width takes 2.4x the chosen
-width's time, the earlier fixed one step in 64 at the full width cost 2.5-2.8%, and this rule
-0.4-1.2% (docs/benchmarks.md, tenth runner session).
+``explore_every``, at most 32 times that), where ``cost = T(V) / T(V*) - E(V) / E(V*)`` is
+what one such step gives up, in steps of the chosen width's throughput: exploring then costs
+about ``explore_cost`` of the throughput per width. (Until the twelfth runner session the cost
+was ``1 - rate(V) / rate(V*)``, which leaves out that a wide step also takes longer. With five
+widths and the step times measured at 64 x 1k, ``benchmarks/width_policy_sim.py`` loses 1.5-2.7%
+to exploration under that rule and 1.0-1.4% under this one, for drafts accepted with
+probability 0 to 0.8; docs/benchmarks.md, twelfth runner session.)
 """
 
 from __future__ import annotations
@@ -238,11 +240,12 @@ class WidthPolicy:
         """Steps of batch ``b`` between two explorations of ``width`` while ``chosen`` is the
         best (see the module docstring)."""
         lo = self.explore_every
-        p = self.acceptance()
-        r, rc = self.rate(b, width, p), self.rate(b, chosen, p)
-        if r is None or rc is None:
+        t, tc = self.step_ms(b, width), self.step_ms(b, chosen)
+        if t is None or tc is None:
             return lo
-        return int(min(max((1.0 - r / rc) / self.explore_cost, lo), 32 * lo))
+        p = self.acceptance()
+        cost = t / tc - self.expected_tokens(width, p) / self.expected_tokens(chosen, p)
+        return int(min(max(cost / self.explore_cost, lo), 32 * lo))
 
     def stats(self) -> dict:
         """The captured widths, the width last chosen per batch size, the drafts' estimated
