@@ -20,8 +20,8 @@ Two paths:
   carry per-row query lengths), the rest are masked: slot -1, never attended to, never
   accepted. With CUDA graphs on, the batch is padded to the next size of a ladder and two
   graphs per size and width are replayed (draft, verify; at width 1 the verify graph alone);
-  padding rows carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs off, or the
-  ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
+  padding rows carry slot -1 and length 0, which every kernel ignores. Eagerly (CPU, graphs
+  off, or the ``KVSTRATA_CUDA_GRAPHS=0`` switch) the same function runs on the exact batch.
 - **general** (prefill chunks, mixed steps, sampling, the arena baseline): packed eager
   forward (:class:`~.general.GeneralPath`, in its own module).
 

@@ -25,8 +25,9 @@ counted from the steps' results. The runner drafts a block of ``V`` positions at
 (``RunnerConfig.draft_block``), so the drafts at two widths are not the same tokens; one set of
 counts for every width assumes a draft's acceptance depends little on the block behind it
 (greedy AL of the shipped pair, a block of V against the 16-block's first V - 1 drafts: within
-3% at V = 2, 4, 8; docs/benchmarks.md, eleventh runner session). A position a step did not verify is not a trial (the counts
-are censored at each step's width). Each position's estimate is shrunk toward the rate pooled
+3% at V = 2, 4, 8; docs/benchmarks.md, eleventh runner session). A position a step did not
+verify is not a trial (the counts are censored at each step's width; a step at width 1 tries
+none). Each position's estimate is shrunk toward the rate pooled
 over every position, ``(a_j + q) / (t_j + 1)`` with ``q = (sum a + 1) / (sum t + 1)``, so a
 position no step has reached yet takes the pooled rate, and a new engine (no counts: ``q =
 1``) starts at the full width and narrows on evidence.
@@ -51,8 +52,8 @@ not chosen runs once every ``cost / explore_cost`` steps of its batch size (at l
 what one such step gives up, in steps of the chosen width's throughput: exploring then costs
 about ``explore_cost`` of the throughput per width. (Until the twelfth runner session the cost
 was ``1 - rate(V) / rate(V*)``, which leaves out that a wide step also takes longer. With five
-widths and the step times measured at 64 x 1k, ``benchmarks/width_policy_sim.py`` loses 1.5-2.7%
-to exploration under that rule and 1.0-1.4% under this one, for drafts accepted with
+widths and the step times measured at 64 x 1k, ``benchmarks/width_policy_sim.py`` loses
+1.5-2.7% to exploration under that rule and 1.0-1.4% under this one, for drafts accepted with
 probability 0 to 0.8; docs/benchmarks.md, twelfth runner session.)
 """
 
