@@ -63,7 +63,8 @@ class _StatsCollector:
         run = s.get("runner", {})
         if run.get("verify_width_by_batch"):
             vw = GaugeMetricFamily("kvstrata_verify_width", "Positions a speculative step "
-                                   "verifies per sequence, last chosen per padded batch size",
+                                   "verifies per sequence (1: no drafts), last chosen per "
+                                   "padded batch size",
                                    labels=["batch"])
             for b, w in run["verify_width_by_batch"].items():
                 vw.add_metric([str(b)], w)

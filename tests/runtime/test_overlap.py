@@ -67,6 +67,21 @@ def test_overlapped_generate_equals_synchronous(ckpts, spec, n, seats, lens, sto
     assert res[True] == res[False]
 
 
+def test_width_one_overlapped_equals_synchronous_and_plain(ckpts):
+    """Verify width 1 (no drafts; the step's first kernel runs in the verify step): overlapped
+    and synchronous steps give the plain engine's tokens, one token per step."""
+    sp = SamplingParams(max_tokens=17)
+    plain = _llm(ckpts, False, spec=False).generate(PROMPTS, sp)
+    for ov in (False, True):
+        llm = LLM(ckpts["agree"][0], ckpts["drafter"][0], _cache(),
+                  runner=RunnerConfig(overlap=ov, verify_widths=(1,)))
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], ov
+        assert {a for o in outs for a in o.acceptance_lengths} == {1}
+        assert llm.stats()["runner"]["decode_steps"] > 0
+        _clean(llm)
+
+
 def test_stop_strings_and_eos_with_overlap(ckpts):
     base = _llm(ckpts, False)
     ref = base.generate(PROMPTS[1:2], SamplingParams(max_tokens=20, ignore_eos=True))[0]
