@@ -106,6 +106,13 @@ def test_a_drafter_never_accepted_gets_the_cheapest_width():
         pol.observe(np.array([1] * 15 + [2]), np.array([16] * 16))
     assert pol.trials[2] == 40 and pol.trials[3] == 0
     assert pol.expected_tokens(16) < 1.1 and pol.best(1) == 4
+    # with width 1 captured (no drafts), not drafting at all is the cheapest
+    pol1 = WidthPolicy(16, (16, 8, 4, 2, 1))
+    pol1.capture_ms.update({(64, 16): 35.2, (64, 8): 20.1, (64, 4): 12.6, (64, 2): 9.9,
+                            (64, 1): 7.7})
+    for _ in range(40):
+        pol1.observe(np.array([1] * 64), np.array([2] * 64))
+    assert pol1.expected_tokens(1) == 1.0 and pol1.best(64) == 1
 
 
 def test_choice_follows_expected_tokens_per_millisecond():
