@@ -36,7 +36,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from persistent_chain import (HELPERS, LAYER, Report, chain_graph, consumers,  # noqa: E402
                               cuda_ms, max_rel_err)
-from runner_bench import copy_rate  # noqa: E402
 
 from kvstrata.kernels.gemv import gemv  # noqa: E402
 
@@ -269,17 +268,11 @@ def main():
     Ns = torch.tensor([n for n, _ in shapes], dtype=torch.int32, device=dev)
     Ks = torch.tensor([k for _, k in shapes], dtype=torch.int32, device=dev)
     flags = torch.zeros(P * G, dtype=torch.int32, device=dev)
-    nbytes = sum(w.numel() * 2 for w in ws)
-    bw = copy_rate()
-    floor = nbytes / bw * 1e3
-    rep = Report([f"# dataflow product chain (no grid barriers), "
-                  f"{torch.cuda.get_device_name()}", "",
-                  f"{args.layers} Qwen3-8B layers, weights {nbytes / 1e9:.2f} GB, copy rate "
-                  f"{bw / 1e12:.3f} TB/s, read floor {floor:.3f} ms; rows in units of {UNIT}, "
-                  f"slices of {sg} blocks; CUDA-event medians of {args.reps}"], floor)
+    rep = Report.over_weights(
+        f"# dataflow product chain (no grid barriers), {torch.cuda.get_device_name()}",
+        f"{args.layers} Qwen3-8B layers", ws,
+        f"rows in units of {UNIT}, slices of {sg} blocks; ", args.reps)
     row = rep.row
-
-    row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
     modes = (("dataflow chain", True, True),

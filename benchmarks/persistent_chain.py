@@ -437,6 +437,19 @@ class Report:
         self.floor = floor
         self.lines = head + ["", "| chain | ms | x floor |", "|---|---|---|"]
 
+    @classmethod
+    def over_weights(cls, title: str, layers: str, ws, notes: str, reps: int) -> "Report":
+        """A chain's report: ``title``; the weights' bytes, the copy rate measured now and the
+        read floor (``notes`` after them, then the repetitions); the floor as the first row."""
+        nbytes = sum(w.numel() * 2 for w in ws)
+        bw = copy_rate()
+        floor = nbytes / bw * 1e3
+        rep = cls([title, "", f"{layers}, weights {nbytes / 1e9:.2f} GB, copy rate "
+                   f"{bw / 1e12:.3f} TB/s, read floor {floor:.3f} ms; {notes}CUDA-event "
+                   f"medians of {reps}"], floor)
+        rep.row("read floor", floor)
+        return rep
+
     def row(self, name: str, ms: float) -> None:
         self.lines.append(f"| {name} | {ms:.3f} | {ms / self.floor:.3f} |")
         print(self.lines[-1], flush=True)
@@ -520,15 +533,10 @@ def main():
                     232448)
     counter = torch.zeros(P * G, dtype=torch.int32, device=dev)   # the counter, or the flags
     no_rows = torch.zeros_like(Ns)
-    nbytes = sum(w.numel() * 2 for w in ws)
-    bw = copy_rate()
-    floor = nbytes / bw * 1e3
-    rep = Report([f"# persistent one-row product chain, {torch.cuda.get_device_name()}", "",
-                  f"{args.layers} Qwen3-8B layers (q/k/v, o_proj, gate/up, down), weights "
-                  f"{nbytes / 1e9:.2f} GB, copy rate {bw / 1e12:.3f} TB/s, read floor "
-                  f"{floor:.3f} ms; CUDA-event medians of {args.reps}"], floor)
+    rep = Report.over_weights(
+        f"# persistent one-row product chain, {torch.cuda.get_device_name()}",
+        f"{args.layers} Qwen3-8B layers (q/k/v, o_proj, gate/up, down)", ws, "", args.reps)
     row = rep.row
-    row("read floor", floor)
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # noqa
     c = lambda t: cp.from_dlpack(t)   # noqa: E731
     # per ring: the chain (grid barrier by one counter, or by per-block flags); without the
