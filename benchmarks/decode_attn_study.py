@@ -235,6 +235,55 @@ def overlap(ctx: int, bw: float, weight_mib: tuple[int, ...] = (32, 64)
     return rows
 
 
+def verify(ctx: int, bw: float) -> list[tuple[str, float]]:
+    """Batch-1 verify-16 attention over ``ctx`` context tokens: the shipped split launch with
+    and without its merge launch, against the TMA prototype over 16 query tokens (64 rows per
+    program; no causal mask, so it is checked against torch without one)."""
+    from _tma_decode_proto import merge, tma_decode
+    qlen = 16
+    seq = ctx + qlen
+    pages = -(-seq // PAGE)
+    kv = torch.randn((pages, LAYERS, 2, HKV, PAGE, D), dtype=torch.bfloat16, device="cuda")
+    bt = torch.arange(pages, dtype=torch.int32, device="cuda")[None]
+    q = torch.randn((qlen, HQ, D), dtype=torch.bfloat16, device="cuda")
+    meta = _runner_meta(bt, seq, 34, qlen)
+
+    def shipped():
+        for layer in range(LAYERS):
+            at.paged_attention_triton(q, kv, layer, meta, sm_scale=0.088)
+    rows = [(f"verify-16 shipped (34 splits, split {meta.tokens_per_split}, merge launch)",
+             _graph_us(shipped, LAYERS))]
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *a, **k: None
+    reduce = at._reduce_splits_kernel
+    at._reduce_splits_kernel = _NoLaunch()
+    try:
+        rows.append(("verify-16 shipped, split launch alone", _graph_us(shipped, LAYERS)))
+    finally:
+        at._reduce_splits_kernel = reduce
+    k = kv[:, 0, 0].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :seq].float()
+    v = kv[:, 0, 1].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :seq].float()
+    qh = q.float().view(qlen, HKV, 4, D).permute(1, 0, 2, 3).reshape(HKV, 4 * qlen, D)
+    ref = torch.softmax(qh @ k.transpose(1, 2) * 0.088, -1) @ v
+    for grid in (34, 64):
+        tm = _runner_meta(bt, seq, grid, qlen)
+        live = -(-seq // tm.tokens_per_split)
+        po, pl = tma_decode(kv, bt[0], tm.split_tokens, q, 0, seq, grid, 4)
+        got = merge(po.view(HKV, grid, 4 * qlen, D)[:, :live].reshape(-1, 4 * qlen, D),
+                    pl.view(HKV, grid, 4 * qlen)[:, :live].reshape(-1, 4 * qlen), HKV, live)
+        err = (got - ref).abs().max().item()
+        for stages in (4, 8):
+            def tma(stages=stages, tm=tm, grid=grid):
+                for layer in range(LAYERS):
+                    tma_decode(kv, bt[0], tm.split_tokens, q, layer, seq, grid, stages)
+            rows.append((f"verify-16 TMA (no mask, no merge), {grid} splits (split "
+                         f"{tm.tokens_per_split}), {stages} stages (max diff vs torch "
+                         f"{err:.1e})", _graph_us(tma, LAYERS)))
+    return rows
+
+
 def ncu_launches() -> None:
     """A few launches of the shipped kernel for Nsight Compute (decode 1k, 8k; verify-16 8k)."""
     for ctx, qlen in ((1024, 1), (8192, 1), (8192, 16)):
@@ -255,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap", action="store_true",
                     help="attention beside a weight stream (two streams) against one after "
                          "the other")
+    ap.add_argument("--verify", action="store_true",
+                    help="verify-16: the shipped kernel against the TMA prototype")
     ap.add_argument("--tma-only", action="store_true",
                     help="only the shipped kernel and the TMA prototype")
     ap.add_argument("--out", default=None)
@@ -267,7 +318,7 @@ def main(argv=None) -> int:
              "| context | variant | us/layer | x K/V bytes |", "|---|---|---|---|"]
     for ctx in args.contexts:
         floor = ctx * HKV * D * 2 * 2 / bw * 1e6
-        rows = (overlap(ctx, bw) if args.overlap
+        rows = (overlap(ctx, bw) if args.overlap else verify(ctx, bw) if args.verify
                 else study(ctx, bw, tma_only=args.tma_only))
         for name, us in rows:
             lines.append(f"| {ctx} | {name} | {us:.1f} | {us / floor:.2f} |")
