@@ -305,7 +305,9 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     split program of each (sequence, q block, KV head) merges) instead of a second kernel;
     ``RED_CHUNK``: splits merged per step by that program; ``SPLIT_LOOP``: run the KV tiles
     that every query row sees whole without masks (causal/no-window), masking only the tail;
-    ``maxnreg`` (optional): cap the registers per thread (more programs per SM).
+    ``maxnreg`` (optional): cap the registers per thread (more programs per SM);
+    ``TMA_STAGES``: when > 0, causal launches over a pool that allows it take whole pages by
+    bulk tensor copies into that many stages (``_paged_attention_tma_kernel``).
     ``programs``: the launch's grid size (0 = unknown), against ``num_sms``.
     """
     group_pad = next_power_of_2(group)
@@ -347,10 +349,17 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # merge; the one-pass merge of 32: 7.1 / 17.4 / 55.4). Verify's 64 rows per program would
     # merge serially: it keeps the merge launch.
     red_chunk = max(2, min(64, 16384 // (group_pad * block_d)))
+    # Verify-sized queries over a grid of at most ~3 programs per SM (batch 1) copy one page
+    # of K and V per step into 8 stages with bulk tensor copies where the pool allows
+    # (attention_triton._tma_ok). H200, batch-1 verify-16, the runner's 34-split grid, 36
+    # layers in one graph, the split launch: 15.2 against 19.8 us per layer at 8k, 7.0
+    # against 7.2 at 1k (docs/benchmarks.md, thirteenth runner session). Decode gained at
+    # most 0.9 us of 6 there, and larger grids were not measured: they keep the tiles.
+    tma = 8 if 1 < max_query_len <= 16 and 0 < programs <= 3 * num_sms else 0
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
                 FUSED_REDUCE=max_query_len == 1, RED_CHUNK=red_chunk, SPLIT_LOOP=True,
-                maxnreg=maxnreg)
+                maxnreg=maxnreg, TMA_STAGES=tma)
 
 
 __all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "SplitPolicy", "block_q_for",

@@ -29,6 +29,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:   # host-side tensor descriptors (bulk tensor copies): Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:   # pragma: no cover - older Triton keeps the tiled kernel everywhere
+    TensorDescriptor = None
+
 from ._device import gdc_launch_dependents, gdc_wait, num_sms, pdl_launch  # noqa: F401
 from .attention_plan import REDUCE_TILE, AttentionMetadata, block_q_for, kernel_config
 
@@ -196,9 +201,124 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = _online_softmax_step(q, k, v, visible, m_i, l_i, acc,
                                                      qk_scale, IEEE, UPCAST)
 
+    _write_rows(acc, l_i, m_i, row_ok, q_rows, head, d, d_ok, split, pid, kvh, seq_len,
+                tokens_per_split, num_splits, q_start, tl.minimum(q_len - qblk * BLOCK_Q, BLOCK_Q),
+                qblk, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr, s_pos, s_pot, s_poh,
+                s_pls, s_plt, s_ot, s_oh, SPLIT, FUSED_REDUCE, GROUP, GROUP_PAD, BLOCK_Q,
+                HEAD_DIM, BLOCK_D, RED_CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_attention_tma_kernel(
+        q_ptr, kv_desc, out_ptr, part_o_ptr, part_lse_ptr, counters_ptr,
+        bt_ptr, seq_lens_ptr, qsl_ptr, tps_ptr, qlens_ptr,
+        layer, qk_scale, window, tokens_per_split, num_q_blocks, num_splits,
+        s_qt, s_qh, s_ot, s_oh, s_bt, s_pos, s_pot, s_poh, s_pls, s_plt,
+        NUM_LAYERS: tl.constexpr, HKV: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, RED_CHUNK: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, TPS_DEV: tl.constexpr, QLENS: tl.constexpr,
+        PDL: tl.constexpr, STAGES: tl.constexpr):
+    """:func:`_paged_attention_kernel` (causal, no draft block) with each step one page of K
+    and one of V, brought into a ring of ``STAGES`` shared-memory stages by Hopper bulk tensor
+    copies (``kv_desc``: a ``[PAGE_SIZE, HEAD_DIM]``-box descriptor over the pool as rows of
+    ``HEAD_DIM``). The copies need no address arithmetic or per-thread issue, and more of
+    them stay in flight than the general kernel's two 64-token tiles: H200, batch-1
+    verify-16 over 8k tokens, 36 layers in one graph, the split launch 15.2 against 19.8 us
+    per layer (docs/benchmarks.md, thirteenth runner session). The split bounds are
+    multiples of ``PAGE_SIZE`` (the wrapper checks), so every step is one whole page.
+    (Its prologue repeats the tiled kernel's, plan and query rows, as it was measured; a
+    shared helper is GPU code to re-measure.)"""
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // num_q_blocks
+    qblk = pid % num_q_blocks
+    q_start = tl.load(qsl_ptr + seq)
+    if QLENS:
+        q_len = tl.load(qlens_ptr + seq)
+    else:
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if TPS_DEV:
+        tokens_per_split = tl.load(tps_ptr)
+    if PDL:   # every program waits, the idle ones too (kernels/_device.pdl_ok)
+        gdc_wait()
+        gdc_launch_dependents()
+    if qblk * BLOCK_Q >= q_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t = qblk * BLOCK_Q + offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_ok = (t < q_len) & (g < GROUP)
+    head = kvh.to(tl.int64) * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + t).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    pos = seq_len - q_len + t
+    first_pos = seq_len - q_len + qblk * BLOCK_Q
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    lo = split * tokens_per_split
+    last_t = tl.minimum(q_len, (qblk + 1) * BLOCK_Q) - 1
+    hi = tl.minimum(tl.minimum(lo + tokens_per_split, seq_len), seq_len - q_len + last_t + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, (first_pos - window + 1) // PAGE_SIZE * PAGE_SIZE)
+    bt_row = bt_ptr + seq.to(tl.int64) * s_bt
+    # Pool row of (page, layer, K, head, token 0); V is HKV * PAGE_SIZE rows further.
+    row0 = (layer * 2 * HKV + kvh) * PAGE_SIZE
+    page_rows = NUM_LAYERS * 2 * HKV * PAGE_SIZE
+    v_rows = HKV * PAGE_SIZE
+    mid = lo
+    if not HAS_WINDOW:
+        # Pages every row sees whole run without masks; only the tail pays for them.
+        mid = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // PAGE_SIZE * PAGE_SIZE
+        for start in tl.range(lo, mid, PAGE_SIZE, num_stages=STAGES):
+            base = tl.load(bt_row + start // PAGE_SIZE) * page_rows + row0
+            k = kv_desc.load([base, 0])
+            v = kv_desc.load([base + v_rows, 0])
+            m_i, l_i, acc = _online_softmax_step(q, tl.trans(k), v, row_ok[:, None], m_i, l_i,
+                                                 acc, qk_scale, IEEE, UPCAST, False)
+    for start in tl.range(mid, hi, PAGE_SIZE, num_stages=STAGES):
+        base = tl.load(bt_row + start // PAGE_SIZE) * page_rows + row0
+        offs_n = start + tl.arange(0, PAGE_SIZE)
+        n_ok = offs_n < hi
+        k = kv_desc.load([base, 0])
+        # A page's tokens past the sequence may hold anything (NaN too): their V rows must be
+        # zero, not just their probabilities.
+        v = kv_desc.load([base + v_rows, 0])
+        v = tl.where(n_ok[:, None], v, tl.zeros_like(v))
+        visible = n_ok[None, :] & row_ok[:, None] & (offs_n[None, :] <= pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
+        m_i, l_i, acc = _online_softmax_step(q, tl.trans(k), v, visible, m_i, l_i, acc,
+                                             qk_scale, IEEE, UPCAST)
+    _write_rows(acc, l_i, m_i, row_ok, q_rows, head, d, d_ok, split, pid, kvh.to(tl.int64),
+                seq_len, tokens_per_split, num_splits, q_start,
+                tl.minimum(q_len - qblk * BLOCK_Q, BLOCK_Q), qblk, out_ptr, part_o_ptr,
+                part_lse_ptr, counters_ptr, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                SPLIT, FUSED_REDUCE, GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, HEAD_DIM, RED_CHUNK)
+
+
+@triton.jit
+def _write_rows(acc, l_i, m_i, row_ok, q_rows, head, d, d_ok, split, pid, kvh, seq_len,
+                tokens_per_split, num_splits, q_start, n_tok, qblk, out_ptr, part_o_ptr,
+                part_lse_ptr, counters_ptr, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr, GROUP: tl.constexpr,
+                GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, RED_CHUNK: tl.constexpr):
+    """A program's epilogue (both kernels): normalise its rows (``acc / l``) and store them,
+    or with split-KV store the partial and its log-sum-exp, and with ``FUSED_REDUCE`` have the
+    last split program of the group merge them all (:func:`_merge_splits`)."""
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    st_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         sp = split.to(tl.int64)
@@ -206,7 +326,7 @@ def _paged_attention_kernel(
         # K/V); with the fused reduce the others store nothing and are not merged.
         live = tl.minimum(num_splits, tl.maximum(tl.cdiv(seq_len, tokens_per_split), 1))
         if FUSED_REDUCE:
-            row_st = row_ok & (offs_m * 0 + split < live)   # (a row tensor: the interpreter
+            row_st = row_ok & (q_rows * 0 + split < live)   # (a row tensor: the interpreter
         else:                                                # takes no scalar-bool masks)
             row_st = row_ok
         tl.store(part_o_ptr + sp * s_pos + q_rows[:, None] * s_pot + head[:, None] * s_poh
@@ -223,13 +343,12 @@ def _paged_attention_kernel(
             arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == num_splits - 1:
                 tl.debug_barrier()
-                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start,
-                              tl.minimum(q_len - qblk * BLOCK_Q, BLOCK_Q), qblk, kvh,
-                              live, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
+                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, q_start, n_tok,
+                              qblk, kvh, live, s_pos, s_pot, s_poh, s_pls, s_plt, s_ot, s_oh,
                               GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, BLOCK_D, RED_CHUNK)
     else:
         tl.store(out_ptr + q_rows[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=st_mask)
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -336,6 +455,26 @@ def split_counters(device: torch.device, n: int) -> Tensor:
     return buf
 
 
+def _tma_ok(cfg: dict, kv_cache: Tensor, block_kv, tokens_per_split: int, d: int) -> bool:
+    """Whether :func:`_paged_attention_tma_kernel` serves this launch: ``TMA_STAGES`` in the
+    config (:func:`~.attention_plan.kernel_config`), causal (no draft block), a contiguous
+    pool whose pages (``[page_size, d]`` boxes) a tensor descriptor can copy (``d`` and the
+    page size powers of two within 16..256 elements, rows of >= 16 bytes), splits of whole
+    pages, Triton's host-side descriptors (>= 3.4), and a GPU with bulk tensor copies
+    (compute capability 9) or the interpreter."""
+    if (TensorDescriptor is None or not cfg.get("TMA_STAGES") or block_kv is not None
+            or not kv_cache.is_contiguous()):
+        return False
+    P = kv_cache.shape[4]
+    if (P < 16 or P > 256 or P & (P - 1) or d < 16 or d > 256 or d & (d - 1)
+            or d * kv_cache.element_size() < 16 or tokens_per_split % P
+            or kv_cache.numel() // d >= 2 ** 31):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return kv_cache.is_cuda and torch.cuda.get_device_capability(kv_cache.device)[0] >= 9
+
+
 def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                            sm_scale: float, sliding_window: int | None = None,
                            block_kv: tuple[Tensor, Tensor] | None = None,
@@ -397,28 +536,49 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
     # Triton 3.9's interpreter computes bf16 tl.dot wrongly (numpy has no bf16): on the CPU
     # interpreter only, bf16 tiles are multiplied in fp32.
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-    _paged_attention_kernel[grid](
-        q, kv_cache, bk, bv, out, part_o, part_lse, counters,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        tps_dev if tps_dev is not None else meta.seq_lens,
-        meta.query_lens if meta.query_lens is not None else meta.seq_lens,
-        layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
-        max(per, 1), num_q_blocks, splits,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), kv_cache.stride(4),
-        bk.stride(0), bk.stride(1), bv.stride(0), bv.stride(1), out.stride(0), out.stride(1),
-        meta.block_tables.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=cfg["GROUP_PAD"], BLOCK_Q=cfg["BLOCK_Q"], HEAD_DIM=d,
-        BLOCK_D=cfg["BLOCK_D"], BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[4],
-        CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
-        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
-        RED_CHUNK=cfg.get("RED_CHUNK", 16), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
-        IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
-        QLENS=meta.query_lens is not None, **pdl_launch(q.device, "attn"),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
+    if _tma_ok(cfg, kv_cache, block_kv, per, d):
+        P = kv_cache.shape[4]
+        desc = TensorDescriptor(kv_cache.view(-1, d), [kv_cache.numel() // d, d], [d, 1],
+                                [P, d])
+        _paged_attention_tma_kernel[grid](
+            q, desc, out, part_o, part_lse, counters,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            tps_dev if tps_dev is not None else meta.seq_lens,
+            meta.query_lens if meta.query_lens is not None else meta.seq_lens,
+            layer, sm_scale * _LOG2E, sliding_window or 0, max(per, 1), num_q_blocks, splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            NUM_LAYERS=kv_cache.shape[1], HKV=hkv, GROUP=group, GROUP_PAD=cfg["GROUP_PAD"],
+            BLOCK_Q=cfg["BLOCK_Q"], HEAD_DIM=d, PAGE_SIZE=P,
+            HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
+            RED_CHUNK=cfg.get("RED_CHUNK", 16), IEEE=q.dtype == torch.float32 or upcast,
+            UPCAST=upcast, TPS_DEV=tps_dev is not None, QLENS=meta.query_lens is not None,
+            **pdl_launch(q.device, "attn"), STAGES=cfg["TMA_STAGES"],
+            num_warps=cfg["num_warps"], num_stages=cfg["TMA_STAGES"])
+    else:
+        _paged_attention_kernel[grid](
+            q, kv_cache, bk, bv, out, part_o, part_lse, counters,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            tps_dev if tps_dev is not None else meta.seq_lens,
+            meta.query_lens if meta.query_lens is not None else meta.seq_lens,
+            layer * kv_cache.stride(1), sm_scale * _LOG2E, sliding_window or 0,
+            max(per, 1), num_q_blocks, splits,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            kv_cache.stride(3), kv_cache.stride(4),
+            bk.stride(0), bk.stride(1), bv.stride(0), bv.stride(1), out.stride(0), out.stride(1),
+            meta.block_tables.stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, GROUP_PAD=cfg["GROUP_PAD"], BLOCK_Q=cfg["BLOCK_Q"], HEAD_DIM=d,
+            BLOCK_D=cfg["BLOCK_D"], BLOCK_N=block_n, PAGE_SIZE=kv_cache.shape[4],
+            CAUSAL=block_kv is None, HAS_BLOCK=block_kv is not None,
+            HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, FUSED_REDUCE=fused,
+            RED_CHUNK=cfg.get("RED_CHUNK", 16), SPLIT_LOOP=bool(cfg.get("SPLIT_LOOP", False)),
+            IEEE=q.dtype == torch.float32 or upcast, UPCAST=upcast, TPS_DEV=tps_dev is not None,
+            QLENS=meta.query_lens is not None, **pdl_launch(q.device, "attn"),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}))
     if splits > 1 and not fused:
         splits_pad = max(2, triton.next_power_of_2(splits))
         # powers of two all: so is heads

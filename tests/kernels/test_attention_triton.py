@@ -111,6 +111,57 @@ def test_fused_reduce_chunks_and_cached_workspace(chunk):
         _check(case, config=dict(FUSED_REDUCE=True), counters=bad)
 
 
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("splits,window", [(1, None), (2, None), (5, 70), (3, 9)])
+def test_tma_pages_match_reference_and_tiles(group, splits, window, monkeypatch):
+    """The bulk-copy path (one page of K and V per step; verify-sized queries, odd lengths,
+    windows, split-KV with the merge fused or launched, an empty row) against the oracle and
+    the tiled kernel; the tiled kernel must not run."""
+    import kvstrata.kernels.attention_triton as at
+    case = make_case([130, 37, 16, 0], [16, 5, 7, 0], group=group, head_dim=32, page_size=16,
+                     num_splits=splits, split_policy=FINE_SPLITS, seed=splits * 10 + group)
+    tiled = {f: paged_attention_triton(case.q, case.kv_cache, case.layer, case.meta,
+                                       sm_scale=0.3, sliding_window=window,
+                                       config=dict(FUSED_REDUCE=f, TMA_STAGES=0))
+             for f in (True, False)}
+
+    class _Unused:
+        def __getitem__(self, grid):
+            raise AssertionError("the tiled kernel ran")
+    monkeypatch.setattr(at, "_paged_attention_kernel", _Unused())
+    for fused in (True, False):
+        got = _check(case, window=window, config=dict(TMA_STAGES=4, FUSED_REDUCE=fused))
+        torch.testing.assert_close(got, tiled[fused], atol=1e-5, rtol=1e-5)
+
+
+def test_tma_pages_ignore_whatever_lies_past_the_sequence():
+    """A partial last page is copied whole: the tokens past the sequence (NaN here) must
+    not reach the output, through K or through V; bf16 at head_dim 128 equals the tiles."""
+    case = make_case([37, 21], [5, 3], group=4, head_dim=64, page_size=16, num_splits=1, seed=5)
+    for s, n in enumerate([37, 21]):
+        case.kv_cache[case.meta.block_tables[s, (n - 1) // 16], :, :, :, n % 16:] = float("nan")
+    for window in (None, 7):
+        assert torch.isfinite(_check(case, window=window, config=dict(TMA_STAGES=2))).all()
+    case = make_case([300, 111], [16, 3], hkv=2, group=4, head_dim=128, page_size=16,
+                     dtype=torch.bfloat16, num_splits=3, split_policy=FINE_SPLITS, seed=4)
+    a = _check(case, config=dict(TMA_STAGES=8))
+    b = _check(case, config=dict(TMA_STAGES=0))
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+
+
+def test_tma_only_where_a_descriptor_can_copy_the_pages():
+    from kvstrata.kernels.attention_triton import _tma_ok
+    kv = torch.zeros(4, 2, 2, 2, 16, 64)
+    on = dict(TMA_STAGES=8)
+    assert _tma_ok(on, kv, None, 32, 64)
+    assert not _tma_ok(dict(TMA_STAGES=0), kv, None, 32, 64)
+    assert not _tma_ok(on, kv, (kv, kv), 32, 64)                      # the draft block
+    assert not _tma_ok(on, kv, None, 24, 64)                          # splits not whole pages
+    assert not _tma_ok(on, torch.zeros(4, 2, 2, 2, 8, 64), None, 32, 64)   # pages of 8
+    assert not _tma_ok(on, kv.transpose(0, 1), None, 32, 64)           # not contiguous
+    assert not _tma_ok(on, torch.zeros(4, 2, 2, 2, 16, 80), None, 32, 80)  # d not 2^k
+
+
 def test_split_choice_is_host_only_and_sane():
     assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 64   # ~4 waves, capped
     # A few short sequences: 512-token splits would leave SMs idle, so splits go down to 128.
@@ -222,7 +273,8 @@ def test_property_triton_equals_reference(lens, group, window, block, splits, fu
 @pytest.mark.parametrize("block", [False, True])
 def test_cuda_compiled_kernel_matches_reference(dtype, block):
     """The compiled kernel on a GPU (run by benchmarks/gpu_run.sh): unsplit, split with the
-    two-launch reduce and with the fused (atomic arrival counter) reduce."""
+    two-launch reduce and with the fused (atomic arrival counter) reduce; tiles and (for the
+    causal cases) bulk page copies."""
     for splits, fused in ((1, False), (4, False), (4, True), (7, True)):
         c = make_case([300, 1, 77], [1, 1, 16] if not block else [4, 4, 16], hkv=8, group=4,
                       head_dim=128, dtype=dtype, block=block, num_splits=splits, seed=splits,
@@ -232,10 +284,10 @@ def test_cuda_compiled_kernel_matches_reference(dtype, block):
         meta = plan_attention(c.meta.block_tables, sl, ql, page_size=16, causal=not block,
                               num_splits=splits, device="cuda", split_policy=FINE_SPLITS)
         bkv = None if c.block_kv is None else (c.block_kv[0].cuda(), c.block_kv[1].cuda())
-        for window in (None, 50):
+        for window, tma in ((None, 0), (None, 8), (50, 0), (50, 8)):
             got = paged_attention_triton(q, kv, c.layer, meta, sm_scale=0.1,
                                          sliding_window=window, block_kv=bkv,
-                                         config=dict(FUSED_REDUCE=fused))
+                                         config=dict(FUSED_REDUCE=fused, TMA_STAGES=tma))
             want = paged_attention_ref(c.q, c.kv_cache, c.layer, c.meta, sm_scale=0.1,
                                        sliding_window=window, block_kv=c.block_kv)
             torch.testing.assert_close(got.cpu().float(), want.float(),
@@ -296,6 +348,12 @@ def test_kernel_config_tiles_follow_the_grid():
     # verify keeps the merge launch.
     assert dec["FUSED_REDUCE"] and dec["RED_CHUNK"] == 32
     assert not one_wave["FUSED_REDUCE"] and not many["FUSED_REDUCE"]
+    # Bulk page copies: verify-sized queries over <= 3 programs per SM (batch 1) only.
+    assert kernel_config(4, 128, 16, 256, programs=272, num_sms=132)["TMA_STAGES"] == 8
+    assert kernel_config(4, 128, 2, 256, programs=272, num_sms=132)["TMA_STAGES"] == 8
+    assert kernel_config(4, 128, 16, 256, programs=512, num_sms=132)["TMA_STAGES"] == 0
+    assert kernel_config(4, 128, 1, 256, programs=272, num_sms=132)["TMA_STAGES"] == 0
+    assert kernel_config(4, 128, 64, 256, programs=64, num_sms=132)["TMA_STAGES"] == 0
 
 
 @pytest.mark.parametrize("q_len,fused", [(1, True), (1, False), (4, False)])
