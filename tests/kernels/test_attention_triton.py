@@ -134,6 +134,16 @@ def test_tma_pages_match_reference_and_tiles(group, splits, window, monkeypatch)
         torch.testing.assert_close(got, tiled[fused], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits,window", [(1, None), (5, 40)])
+def test_tma_pages_serve_one_query_token_too(splits, window):
+    """Decode rows (one query token, the fused merge) through the page copies, which
+    kernel_config does not choose for them yet (not measured in the step)."""
+    case = make_case([200, 1, 97], [1, 1, 1], group=4, head_dim=32, page_size=16,
+                     num_splits=splits, split_policy=FINE_SPLITS, seed=splits)
+    for fused in (True, False):
+        _check(case, window=window, config=dict(TMA_STAGES=4, FUSED_REDUCE=fused))
+
+
 def test_tma_pages_ignore_whatever_lies_past_the_sequence():
     """A partial last page is copied whole: the tokens past the sequence (NaN here) must
     not reach the output, through K or through V; bf16 at head_dim 128 equals the tiles."""
