@@ -353,8 +353,9 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     # of K and V per step into 8 stages with bulk tensor copies where the pool allows
     # (attention_triton._tma_ok). H200, batch-1 verify-16, the runner's 34-split grid, 36
     # layers in one graph, the split launch: 15.2 against 19.8 us per layer at 8k, 7.0
-    # against 7.2 at 1k (docs/benchmarks.md, thirteenth runner session). Decode gained at
-    # most 0.9 us of 6 there, and larger grids were not measured: they keep the tiles.
+    # against 7.2 at 1k (docs/benchmarks.md, thirteenth runner session). Decode in that grid
+    # gained 0.9 us at 1k and nothing at 8k (before its merge), and larger grids were not
+    # measured: both keep the tiles.
     tma = 8 if 1 < max_query_len <= 16 and 0 < programs <= 3 * num_sms else 0
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,

@@ -16,7 +16,12 @@ to arrive merges them all and resets the counter (so CUDA-graph replays start fr
 :func:`~.attention_plan.kernel_config` turns it on for decode (one query per sequence). The
 split factor comes from host ints at plan time, never from a device->host sync.
 
-Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 elements.
+Batch-1 verify launches (``kernel_config``'s ``TMA_STAGES``) take whole pages instead of
+tiles: :func:`_paged_attention_tma_kernel` copies one page of K and one of V per step with
+Hopper bulk tensor copies into a ring of stages, where the pool allows (:func:`_tma_ok`).
+
+Addresses are int64: ``page * stride0`` overflows int32 for pools beyond 2**31 elements (the
+page-copy kernel's descriptor rows are int32: :func:`_tma_ok` keeps it below 2**31 rows).
 """
 
 from __future__ import annotations
