@@ -1,5 +1,8 @@
 """A prototype batch-1 decode attention over the page pool through Hopper bulk tensor copies
-(TMA), for ``decode_attn_study.py``; not a library kernel.
+(TMA), for ``decode_attn_study.py``. The library's page-copy kernel
+(``kvstrata.kernels.attention_triton._paged_attention_tma_kernel``) grew out of it; this one
+stays to reproduce the thirteenth runner session's figures (docs/benchmarks.md), which it
+measured.
 
 One program per (KV head, split), as the shipped kernel's runner grid. Each step loads one page
 of K and one of V (``[16, d]`` boxes of a 2-D tensor descriptor over the whole pool) into a
