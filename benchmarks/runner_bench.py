@@ -12,7 +12,9 @@ K/V in the pool) and stepped exactly as the engine steps them: reserve, ``ModelR
 - floor: bytes a step must read / the device-to-device copy rate (bytes read + written per
   second, measured first): target weights without the embedding table (only the step's rows of
   it are read), plus for a speculative step the drafter's weights and the LM head again (the
-  draft logits), plus the K/V of every context token of every sequence (both groups).
+  draft logits), plus the K/V of every context token of every sequence (both groups). The
+  verify graph's own floor also counts what the draft context write reads (the drafter's
+  ``fc``, its norm and every layer's k/v products); the draft graph's leaves ``fc`` out.
 
     python benchmarks/runner_bench.py --out $OUT/runner.md
 """
@@ -74,6 +76,17 @@ def matmul_rate() -> float:
 def nbytes(m, skip=()) -> int:
     return sum(p.numel() * p.element_size() for n, p in m.named_parameters()
                if not any(n.startswith(s) for s in skip))
+
+
+def context_write_bytes(drafter) -> tuple[int, int]:
+    """Drafter bytes the verify graph reads to write the draft context of the verified rows
+    (``DFlashDrafter.write_context``: ``fc``, ``hidden_norm``, each layer's k/v products and
+    k-norm), and the part of those that the draft graph never reads (``fc``,
+    ``hidden_norm``)."""
+    only = nbytes(drafter.fc) + nbytes(drafter.hidden_norm)
+    kv = sum(nbytes(l.self_attn.k_proj) + nbytes(l.self_attn.v_proj)
+             + nbytes(l.self_attn.k_norm) for l in drafter.layers)
+    return only + kv, only
 
 
 class Bench:
@@ -432,11 +445,12 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
     w_t = nbytes(target, skip=("embed_tokens",))
     w_head = target.lm_head.weight.numel() * 2
     w_d = nbytes(drafter)
+    w_ctx, w_ctx_only = context_write_bytes(drafter)
     c, dc = target.config, drafter.cfg
     kv_t = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
     kv_d = dc.num_hidden_layers * 2 * dc.num_key_value_heads * dc.head_dim * 2
-    print(f"target {w_t / 1e9:.2f} GB read per step, drafter {w_d / 1e9:.2f} GB, LM head "
-          f"{w_head / 1e9:.2f} GB", flush=True)
+    print(f"target {w_t / 1e9:.2f} GB read per step, drafter {w_d / 1e9:.2f} GB (its context "
+          f"write {w_ctx / 1e9:.3f}), LM head {w_head / 1e9:.2f} GB", flush=True)
     max_ctx = max(args.contexts)
     for mode, d in (("plain", None), ("spec", drafter)):
         if mode not in args.modes:
@@ -488,7 +502,7 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                             continue
                         row(f"draft (graph replay), verify-{w}, a block of {r}", b, ctx,
                             bench.graph_ms("draft", 50, width=w), None,
-                            (w_d + w_head + b * ctx * kv_d) / bw * 1e3,
+                            (w_d - w_ctx_only + w_head + b * ctx * kv_d) / bw * 1e3,
                             b * (r * w_d + (w - 1) * w_head) / flops * 1e3)
                     # The adaptive policy as the engine runs it (this pair's random drafter is
                     # almost never accepted: it should settle on the cheapest width), then the
@@ -520,10 +534,12 @@ def engine_steps(args, bw: float, flops: float, row) -> None:
                         None, floor, compute)
                     pin_width(llm, llm.runner.widths[0])
                 if d is not None:   # the step's two graphs, each against its own floors
-                    fl_v = (w_t + b * ctx * kv_t) / bw * 1e3
+                    # verify: the target and the draft context write; draft: the drafter
+                    # but what only the context write reads, and the LM head
+                    fl_v = (w_t + w_ctx + b * ctx * kv_t) / bw * 1e3
                     row(f"verify-{llm.block_size} (graph replay)", b, ctx,
                         bench.graph_ms("verify", 50), None, fl_v, b * B * w_t / flops * 1e3)
-                    fl_d = (w_d + w_head + b * ctx * kv_d) / bw * 1e3
+                    fl_d = (w_d - w_ctx_only + w_head + b * ctx * kv_d) / bw * 1e3
                     row("draft (graph replay)", b, ctx, bench.graph_ms("draft", 50), None, fl_d,
                         b * B * (w_d + w_head) / flops * 1e3)
                 llm.runner.width_policy = policy

@@ -26,9 +26,9 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import plan_attention
 from ..kernels.gemv import gemv
 from ..kernels.kv_write import write_kv
-from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope
+from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
 from ..nn.layers import (AttentionProjections, RMSNorm, SwiGLUMLP, merge_layer_weights,
-                         rope_cos_sin)
+                         rope_inv_freq)
 from ..nn.loader import load_safetensors_dir, weights_fingerprint
 from ..pagepool.spec import KVGroupSpec
 from .config import DFlashConfig
@@ -71,6 +71,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sm_scale = cfg.head_dim ** -0.5
         self._fingerprint = "unloaded"
+        self._inv_freq: dict[torch.device, Tensor] = {}     # RoPE, per device (see _rope)
 
     # -- loading -------------------------------------------------------------------------------
     @classmethod
@@ -136,9 +137,20 @@ class DFlashDrafter(nn.Module):
             yield k, v
 
     def _context_features(self, taps: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        c = self.cfg
-        feat = self.hidden_norm(gemv(taps.to(self.dtype), self.fc.weight, self.fc.bias))
-        return (feat, *rope_cos_sin(positions, c.head_dim, c.rope_theta, feat.dtype))
+        # hidden_norm in one launch on CUDA (as the layers' norms)
+        feat, _ = add_rms_norm(gemv(taps.to(self.dtype), self.fc.weight, self.fc.bias),
+                               self.hidden_norm.weight, self.hidden_norm.eps)
+        return (feat, *self._rope(positions, feat.dtype))
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``nn.layers.rope_cos_sin(positions, head_dim, rope_theta, dtype)``'s values, in one
+        launch on CUDA (``kernels.layer_ops.rope_cos_sin_rows``); the inverse frequencies are
+        built once per device, by the same ops."""
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq[positions.device] = rope_inv_freq(
+                self.cfg.head_dim, self.cfg.rope_theta, positions.device)
+        return rope_cos_sin_rows(positions, inv, 1.0, dtype)
 
     def write_context(self, taps: Tensor, positions: Tensor, slot_mapping: Tensor,
                       kv_cache: Tensor, impl: str = "auto") -> None:
@@ -169,7 +181,7 @@ class DFlashDrafter(nn.Module):
         c = self.cfg
         x = noise.to(self.dtype)
         eps, hq, hkv = c.rms_norm_eps, c.num_attention_heads, c.num_key_value_heads
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         # As the target's forward: residual adds fused into the next norm (kernels.layer_ops),
         # products through kernels.gemv (one launch for a few rows on CUDA, else F.linear),
         # SiLU-and-multiply inside gate/up's.

@@ -10,6 +10,8 @@ float32 and rounds), so results match it up to the reduction order of the norm:
 - :func:`head_norm_rope`: per-head RMSNorm then rotate-half RoPE of ``[T, heads, head_dim]``.
 - :func:`silu_mul`: ``silu(gate) * up``; :func:`silu_mul_merged`: the same of a merged
   ``[T, 2 * inter]`` gate/up product (gate columns first).
+- :func:`rope_cos_sin_rows`: the step's RoPE ``cos``/``sin`` rows from its positions (the
+  torch ops took 7 launches, 12 when the inverse frequencies were built each time).
 - :func:`qkv_norm_rope`: of a merged ``[T, (Hq + 2 Hkv) * D]`` q/k/v product, q- and k-norm +
   RoPE of every head and (optionally) the K/V write into the pool's slots, one launch for what
   took three (q, k, :func:`~kvstrata.kernels.kv_write.write_kv`).
@@ -31,6 +33,7 @@ from .kv_write import check_kv_write, write_kv_ref
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
@@ -231,6 +234,70 @@ if triton is not None:
         tl.store(out_ptr + offs, silu_mul_rounded(g, u, dt).to(dt), mask=ok)
 
 
+    @triton.jit
+    def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, scaling, HALF: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                             SCALE: tl.constexpr, LIBDEVICE: tl.constexpr):
+        # Rotate-half layout: columns j and j + HALF hold frequency j. cos/sin are libdevice's
+        # (what torch's CUDA kernels call), not the approximate instructions of tl.cos/tl.sin;
+        # the CPU interpreter has no libdevice (its tl.cos/tl.sin are numpy's).
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        j = tl.arange(0, BLOCK_D)
+        ok = (t < T)[:, None] & (j < 2 * HALF)[None, :]
+        p = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)
+        # (a model cast to bf16 casts this buffer too: its values, upcast, as torch's product)
+        inv = tl.load(inv_ptr + j % HALF, mask=j < 2 * HALF, other=0.0).to(tl.float32)
+        f = p[:, None] * inv[None, :]
+        if LIBDEVICE:
+            c = libdevice.cos(f)
+            s = libdevice.sin(f)
+        else:
+            c = tl.cos(f)
+            s = tl.sin(f)
+        if SCALE:
+            c = c * scaling
+            s = s * scaling
+        at = t[:, None].to(tl.int64) * (2 * HALF) + j[None, :]
+        tl.store(cos_ptr + at, c.to(cos_ptr.dtype.element_ty), mask=ok)
+        tl.store(sin_ptr + at, s.to(sin_ptr.dtype.element_ty), mask=ok)
+
+
+def rope_cos_sin_rows_ref(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
+                     dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Torch reference of :func:`rope_cos_sin_rows`: the ops of
+    :meth:`kvstrata.nn.layers.RotaryEmbedding.cos_sin` (no product by a scaling of 1: the
+    same values)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_cos_sin_rows(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
+                 dtype: torch.dtype = torch.float32, impl: str = "auto"
+                 ) -> tuple[Tensor, Tensor]:
+    """RoPE ``cos, sin`` ``[T, 2 * len(inv_freq)]`` (rotate-half layout) of ``positions [T]``
+    int64: ``cos(p * inv_freq)`` twice over, times ``scaling``, in float32 (``inv_freq`` of
+    any float dtype, upcast) and then ``dtype``.
+    One launch on CUDA, the torch ops elsewhere (:func:`rope_cos_sin_rows_ref`)."""
+    t, half = positions.shape[0], inv_freq.shape[0]
+    if not _use_triton(positions, impl) or t == 0:
+        return rope_cos_sin_rows_ref(positions, inv_freq, scaling, dtype)
+    if not inv_freq.is_floating_point() or inv_freq.device != positions.device:
+        raise ValueError(f"rope_cos_sin_rows: inv_freq must be floating point on "
+                         f"{positions.device}, got {inv_freq.dtype} on {inv_freq.device}")
+    cos = torch.empty((t, 2 * half), dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    block_t = min(16, triton.next_power_of_2(t))
+    _rope_cos_sin_kernel[(triton.cdiv(t, block_t),)](
+        positions, inv_freq.contiguous(), cos, sin, t, float(scaling), HALF=half,
+        BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(2 * half), SCALE=scaling != 1.0,
+        LIBDEVICE=positions.device.type == "cuda", num_warps=4)
+    return cos, sin
+
+
 def _use_triton(x: Tensor, impl: str) -> bool:
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
@@ -360,4 +427,5 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
 
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "head_norm_rope", "head_norm_rope_ref",
+           "rope_cos_sin_rows", "rope_cos_sin_rows_ref",
            "qkv_norm_rope", "qkv_norm_rope_ref", "silu_mul", "silu_mul_merged", "silu_mul_ref"]

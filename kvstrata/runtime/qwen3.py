@@ -22,7 +22,7 @@ from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.gemv import gemv, gemv_add_norm, gemv_ok
-from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope
+from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
 from ..nn.hfconfig import DecoderDims, decoder_fields
@@ -248,7 +248,9 @@ class Qwen3Model(nn.Module):
         bad = [l for l in capture_layers if not 0 <= l < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"capture_layers {bad} outside [0, {cfg.num_hidden_layers})")
-        cos, sin = self.rotary.cos_sin(positions)
+        # RotaryEmbedding.cos_sin's values, one launch on CUDA
+        cos, sin = rope_cos_sin_rows(positions, self.rotary.inv_freq,
+                                     self.rotary.attention_scaling, impl=attn_impl)
         captured: list[Tensor | None] = [None] * len(capture_layers)
         eps = cfg.rms_norm_eps
         hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads

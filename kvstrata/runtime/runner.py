@@ -51,7 +51,7 @@ from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
 from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
                                       choose_num_splits)
-from ..kernels.step_inputs import assemble_step_inputs
+from ..kernels.step_inputs import assemble_step_inputs, greedy_accept, step_positions
 from .general import GeneralPath
 from .step import StepItem, StepTiming
 from .verify_width import WIDTHS_ENV, WidthPolicy, default_widths, parse_widths
@@ -295,7 +295,6 @@ class ModelRunner:
         self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
         # per row: the target's tokens, the count produced, the positions verified
         self.out = torch.zeros((mb, B + 2), dtype=torch.int32, device=dev)
-        self._offs = torch.arange(B, dtype=torch.int64, device=dev)
         # query start offsets at a fixed stride: B (the draft block) and each verify width
         self._qsls = {w: torch.arange(mb + 1, dtype=torch.int32, device=dev) * w
                       for w in {B, *self.widths}}
@@ -600,23 +599,6 @@ class ModelRunner:
         assemble_step_inputs(self._in, self._small, self.qlen32, self.out, b, self.B,
                              self.plans(b).splits, self._split_step)
 
-    def _positions(self, b: int, width: int | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Positions ``[b*W]``, slots ``[b, W]`` (-1 on padding rows and past a row's block
-        length) for ``W = width`` positions per row (default ``B``), the valid-row mask, the
-        clamped committed lengths and the block lengths, all computed on the device."""
-        start, qlen = self.start[:b], self.qlen[:b]
-        offs = self._offs if width is None else self._offs[:width]
-        valid = start >= 0
-        s0 = start.clamp_min(0)
-        pos = s0[:, None] + offs[None, :]
-        # Rows past a shortened block may lie past the block table: clamp (their slot is -1).
-        page_of = (pos // self.P).clamp_max(self.max_pages - 1)
-        page = torch.gather(self.block_tables[:b], 1, page_of).to(torch.int64)
-        used = valid[:, None] & (offs[None, :] < qlen[:, None])
-        slots = torch.where(used, page * self.P + pos % self.P, -1)
-        return pos.reshape(-1), slots, valid, s0, qlen
-
     def _draft_fn(self, b: int, width: int | None = None) -> None:
         """Draft greedy tokens per row into ``self.drafts`` (captured as a graph): a block of
         ``R = draft_rows[width]`` positions runs through the drafter (``R = width`` below the
@@ -627,16 +609,14 @@ class ModelRunner:
         w = B if width is None else width
         R = self.draft_rows.get(w, B)
         self._assemble(b)
-        pos, slots, valid, s0, qlen = self._positions(b, R)
         plans = self.plans(b)
-        if R < B:       # the block plan's query lengths: min(block length, R)
-            qlen = qlen.clamp_max(R)
-            self.qlenv32[:b].copy_(qlen)
-        self.seq_lens[1, :b].copy_(s0)
-        if plans.causal:
-            self.seq_lens[2, :b].copy_(torch.where(valid, s0 + qlen, 0))
-        ids = torch.full((b, R), cfg.mask_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = self.tok[:b]
+        # positions, slots, the plans' lengths (the block plan's query lengths min(block
+        # length, R) below the full width) and the block's ids, in one launch
+        pos, slots, _, ids = step_positions(
+            self.start[:b], self.qlen[:b], self.block_tables, self.P, R, R if R < B else B,
+            seq_lens=self.seq_lens, full_row=2 if plans.causal else -1, start_row=1,
+            qlenv32=self.qlenv32 if R < B else None, tok=self.tok,
+            mask_id=cfg.mask_token_id)
         noise = self.target.embed(ids.reshape(-1))
         if cfg.input_embedding_scale != 1.0:
             noise = noise * cfg.input_embedding_scale
@@ -658,34 +638,23 @@ class ModelRunner:
         W = B if width is None else width
         if self.drafter is None or W == 1:      # no draft step ran this step's first kernel
             self._assemble(b)
-        pos, slots, valid, s0, qlen = self._positions(b, W)
         plans = self.plans(b)
-        qlen = qlen.clamp_max(W)
-        self.qlenv32[:b].copy_(qlen)
-        self.seq_lens[0, :b].copy_(torch.where(valid, s0 + qlen, 0))
-        if self.drafter is not None:
-            ids = torch.cat([self.tok[:b, None], self.drafts[:b, :W - 1]], 1)
-        else:
+        pos, slots, qlen, ids = step_positions(
+            self.start[:b], self.qlen[:b], self.block_tables, self.P, W, W,
+            seq_lens=self.seq_lens, full_row=0, qlenv32=self.qlenv32, tok=self.tok,
+            drafts=self.drafts if self.drafter is not None else None)
+        if ids is None:
             ids = self.tok[:b, None]
         hidden, cap = self.target(ids.reshape(-1), pos, plans.verify[W], slots.reshape(-1),
                                   self.pool.kv["target"], capture_layers=self.taps,
                                   attn_impl=self.attn_impl)
         tgt = self._greedy(hidden).view(b, W)
+        # the accepted drafts, the step's output rows and the committed rows' slots
+        ctx = greedy_accept(tgt, self.drafts if self.drafter is not None else None, qlen,
+                            self.start[:b], slots, self.out, B)
         if self.drafter is not None:
-            # Drafts equal the target's tokens up to the first mismatch, so the produced tokens
-            # are the target's first acc + 1; their inputs (rows 0..acc) are committed. A
-            # shortened block of n rows accepts at most n - 1 drafts.
-            acc = (self.drafts[:b, :W - 1] == tgt[:, :-1]).to(torch.int32).cumprod(1).sum(1)
-            acc = torch.minimum(acc, (qlen - 1).clamp_min(0).to(torch.int32))
-            keep = self._offs[None, :W] <= acc[:, None]
-            self.drafter.write_context(torch.cat(cap, -1), pos,
-                                       torch.where(keep, slots, -1).reshape(-1),
+            self.drafter.write_context(torch.cat(cap, -1), pos, ctx.reshape(-1),
                                        self.pool.kv["draft"], impl=self.attn_impl)
-            self.out[:b, B].copy_(acc + 1)
-        else:
-            self.out[:b, B].fill_(1)
-        self.out[:b, B + 1].copy_(torch.where(valid, qlen, 0))
-        self.out[:b, :W].copy_(tgt)
 
     def _greedy(self, hidden: Tensor, drafter: bool = False) -> Tensor:
         """Argmax token of each row's logits (``[T, hidden]`` -> ``[T]`` int64).

@@ -3,13 +3,16 @@ of kvstrata.nn.layers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from kvstrata.kernels.kv_write import write_kv_ref
 from kvstrata.kernels.layer_ops import (add_rms_norm, add_rms_norm_ref, head_norm_rope,
                                         head_norm_rope_ref, qkv_norm_rope, qkv_norm_rope_ref,
-                                        silu_mul, silu_mul_merged, silu_mul_ref)
+                                        rope_cos_sin_rows, rope_cos_sin_rows_ref, silu_mul,
+                                        silu_mul_merged, silu_mul_ref)
 from kvstrata.nn.layers import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -178,3 +181,50 @@ def test_cuda_qkv_norm_rope_is_the_separate_kernels_bit_for_bit():
     k = head_norm_rope(ks.reshape(T, hkv, D), kw, 1e-6, cos, sin)
     write_kv(want, 1, k, vs.reshape(T, hkv, D).contiguous(), slots)
     assert torch.equal(pool, want)
+
+
+@pytest.mark.parametrize("scaling", [1.0, 0.7])
+@pytest.mark.parametrize("half", [64, 40])
+def test_rope_cos_sin_rows_are_rotary_embedding_values(scaling, half):
+    """The one-launch cos/sin against the torch ops (RotaryEmbedding.cos_sin's, and the
+    functional rope_cos_sin's cast): every position, both dtypes, a head_dim that is not a power
+    of two (80). Under the interpreter (numpy's cos/sin) to a float32 ulp or so; the torch path
+    (impl="torch") exactly."""
+    pos = torch.cat([torch.arange(0, 300), torch.randint(0, 40960, (37,))])
+    rot = RotaryEmbedding(2 * half, 1e6)
+    want = rot.cos_sin(pos)
+    if scaling != 1.0:
+        want = tuple(t / rot.attention_scaling * scaling for t in want)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = rope_cos_sin_rows_ref(pos, rot.inv_freq, scaling, dtype)
+        # a bf16 buffer (a model cast to bf16) is upcast, as torch's product upcasts it
+        inv16 = rot.inv_freq.bfloat16()
+        torch.testing.assert_close(
+            rope_cos_sin_rows(pos, inv16, scaling, dtype, impl="triton")[0].float(),
+            rope_cos_sin_rows_ref(pos, inv16, scaling, dtype)[0].float(), rtol=0,
+            atol=1e-6 if dtype == torch.float32 else 8e-3)
+        for r, w in zip(ref, want):
+            torch.testing.assert_close(r, w.to(dtype), rtol=0, atol=0)
+        assert all(torch.equal(a, b) for a, b in zip(
+            rope_cos_sin_rows(pos, rot.inv_freq, scaling, dtype, impl="torch"), ref))
+        got = rope_cos_sin_rows(pos, rot.inv_freq, scaling, dtype, impl="triton")
+        for g, r in zip(got, ref):
+            assert g.dtype == dtype and g.shape == (pos.shape[0], 2 * half)
+            torch.testing.assert_close(g.float(), r.float(), rtol=0,
+                                       atol=1e-6 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rope_cos_sin_rows_are_the_torch_ops_bit_for_bit():
+    """On CUDA the kernel calls libdevice's cos/sin, as torch's kernels do: the same bits as
+    the torch ops for positions 0 .. 131071 (Qwen3's theta and head_dim, and the drafter's
+    bf16 cast)."""
+    pos = torch.arange(0, 131072, device="cuda")
+    inv = RotaryEmbedding(128, 1e6).inv_freq.cuda()
+    # a model cast to bf16 casts the rotary buffer too
+    for inv_dtype, dtype in itertools.product((torch.float32, torch.bfloat16), repeat=2):
+        got = rope_cos_sin_rows(pos, inv.to(inv_dtype), 1.0, dtype)
+        ref = rope_cos_sin_rows_ref(pos, inv.to(inv_dtype), 1.0, dtype)
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r), (inv_dtype, dtype, (g != r).sum().item())
