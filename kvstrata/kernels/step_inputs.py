@@ -241,32 +241,34 @@ def step_positions(start: Tensor, qlen: Tensor, block_tables: Tensor, page_size:
     b = start.shape[0]
     if (full_row >= 0 or start_row >= 0) and seq_lens is None:
         raise ValueError("step_positions: full_row / start_row need seq_lens")
-    ids = drafts is not None or mask_id is not None
-    if ids and tok is None:
+    want_ids = drafts is not None or mask_id is not None
+    if want_ids and tok is None:
         raise ValueError("step_positions: the stage's ids (drafts or mask_id) need tok")
     if not _kernel_ok(start, impl) or b == 0:
         return step_positions_ref(start, qlen, block_tables, page_size, width, cap,
                                   seq_lens=seq_lens, full_row=full_row, start_row=start_row,
                                   qlenv32=qlenv32, tok=tok, mask_id=mask_id, drafts=drafts)
     pos, slots, qlenc, ids, args = _positions_outputs(start, width, seq_lens, qlenv32, tok,
-                                                      ids, drafts)
+                                                      want_ids, drafts)
     block_b = min(64, max(16, triton.next_power_of_2(b)))
     _positions_kernel[(triton.cdiv(b, block_b),)](
         start, qlen, block_tables, block_tables.stride(0), block_tables.shape[1], page_size, b,
         width, cap, pos, slots, qlenc, *args, full_row, start_row,
         mask_id if mask_id is not None else 0, QLENV=qlenv32 is not None, FULL=full_row >= 0,
         START=start_row >= 0, IDS=0 if ids is None else (2 if drafts is not None else 1),
-        BLOCK_B=block_b,
-        BLOCK_W=max(2, triton.next_power_of_2(width)), num_warps=4)
+        BLOCK_B=block_b, BLOCK_W=max(2, triton.next_power_of_2(width)), num_warps=4)
     return pos, slots, qlenc, ids
 
 
-def _positions_outputs(start: Tensor, width: int, seq_lens, qlenv32, tok, ids: bool, drafts):
+def _positions_outputs(start: Tensor, width: int, seq_lens, qlenv32, tok, want_ids: bool,
+                       drafts):
+    """step_positions' result tensors, and the kernel's pointer arguments (an unused one
+    points at ``qlenc``)."""
     b, dev = start.shape[0], start.device
     pos = torch.empty(b * width, dtype=torch.int64, device=dev)
     slots = torch.empty((b, width), dtype=torch.int64, device=dev)
     qlenc = torch.empty(b, dtype=torch.int64, device=dev)
-    ids = torch.empty((b, width), dtype=torch.int64, device=dev) if ids else None
+    ids = torch.empty((b, width), dtype=torch.int64, device=dev) if want_ids else None
     sl = seq_lens if seq_lens is not None else qlenc
     dr = drafts if drafts is not None else qlenc
     args = (qlenv32 if qlenv32 is not None else qlenc, sl,

@@ -613,7 +613,7 @@ class ModelRunner:
         # positions, slots, the plans' lengths (the block plan's query lengths min(block
         # length, R) below the full width) and the block's ids, in one launch
         pos, slots, _, ids = step_positions(
-            self.start[:b], self.qlen[:b], self.block_tables, self.P, R, R if R < B else B,
+            self.start[:b], self.qlen[:b], self.block_tables, self.P, R, R,
             seq_lens=self.seq_lens, full_row=2 if plans.causal else -1, start_row=1,
             qlenv32=self.qlenv32 if R < B else None, tok=self.tok,
             mask_id=cfg.mask_token_id)
