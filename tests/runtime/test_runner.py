@@ -3,18 +3,24 @@ changing batch composition (decode path == general path), the graphs switch, inc
 
 from __future__ import annotations
 
+import functools
+import os
+
 import pytest
 import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from kvstrata.kernels import step_inputs
 from kvstrata.pagepool.hashing import Namespace, page_hashes
 from kvstrata.pagepool.manager import KVCacheManager
 from kvstrata.pagepool.pool import PagePool
 from kvstrata.pagepool.spec import KVGroupSpec
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
+from kvstrata.runtime import runner as runner_mod
 from kvstrata.runtime.runner import (GRAPHS_ENV, StepItem, graph_batch_size, default_ladder,
                                      graphs_enabled)
+from kvstrata.runtime.verify_width import WidthPolicy
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [
     [(11 * i + 5) % 290 for i in range(n)] for n in (3, 17)]
@@ -158,6 +164,43 @@ def test_shortened_blocks_take_the_decode_path_and_equal_the_general_path(ckpts)
         _commit(llm, rs, fast)
     assert llm.runner.stats()["decode_steps"] == 3
     assert not llm.runner.decode_ok(_decode_items(reqs[:1], llm, [B + 1]))
+
+
+def test_stage_kernels_inside_the_runner_equal_the_torch_path(ckpts, monkeypatch):
+    """The decode path with its stage kernels (kernels.step_inputs: positions/slots/lengths and
+    greedy acceptance, through the interpreter) gives the torch reference's tokens and K/V bit
+    for bit: full and shortened blocks, padding rows, a row whose block lies past its pages, and
+    the narrower verify widths (their draft blocks and accepted counts)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels run on the CPU through the interpreter only")
+    llm = _llm(ckpts, runner=RunnerConfig(verify_widths=(4, 2, 1)))
+    B = llm.block_size
+    assert llm.runner.widths == (4, 2, 1) == (B, 2, 1)
+    long = [(13 * i + 1) % 290 for i in range(llm.runner.max_seq_len - 2)]
+    kernels = {name: functools.partial(getattr(step_inputs, name), impl="triton")
+               for name in ("step_positions", "greedy_accept")}
+
+    def with_kernels(items):
+        with monkeypatch.context() as m:
+            for name, fn in kernels.items():
+                m.setattr(runner_mod, name, fn)
+            return llm.runner.decode(items, pad_to=4)
+
+    for width in llm.runner.widths:
+        llm.runner.width_policy = WidthPolicy(B, (width,))      # every step at this width
+        reqs = llm.prefill(PROMPTS[:2] + [long], SamplingParams(max_tokens=40))
+        for ns in ([B, 3, 2], [1, B]):
+            rs = reqs[:len(ns)]
+            ref, got, kv_ref, _ = _twice(llm, rs, lambda items: llm.runner.decode(items,
+                                                                                 pad_to=4),
+                                         with_kernels, ns=ns)
+            assert got == ref, (width, ns)
+            for g in llm.pool.kv:
+                assert torch.equal(llm.pool.kv[g], kv_ref[g]), (width, ns, g)
+            _commit(llm, rs, got)
+        for r in reqs:
+            llm.release(r)
 
 
 def test_engine_takes_the_decode_path_and_times_only_on_request(ckpts):
