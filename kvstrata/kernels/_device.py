@@ -6,6 +6,7 @@ import functools
 import os
 
 import torch
+from torch import Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -16,6 +17,24 @@ def num_sms(device: torch.device, cpu: int) -> int:
     if device.type != "cuda":
         return cpu
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+try:
+    import triton
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+
+def use_triton(x: Tensor, impl: str) -> bool:
+    """Whether an element-wise or step kernel runs its Triton launch for ``x``: ``impl="auto"``
+    on CUDA, ``"triton"`` wherever Triton runs (the CPU interpreter included), ``"torch"``
+    never; never for a tensor autograd tracks (the kernels have no backward)."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return triton is not None and (impl == "triton" or (impl == "auto"
+                                                        and x.device.type == "cuda"))
 
 
 #: ``KVSTRATA_PDL=0`` turns programmatic dependent launch off (it is on where it works).

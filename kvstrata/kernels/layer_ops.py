@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..nn.layers import apply_rotary, rms_norm
-from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
+from ..nn.layers import rope_cos_sin_rows as rope_cos_sin_rows_ref
+from ._device import gdc_launch_dependents, gdc_wait, pdl_launch, use_triton  # noqa: F401
 from .kv_write import check_kv_write, write_kv_ref
 
 try:
@@ -233,7 +234,6 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         tl.store(out_ptr + offs, silu_mul_rounded(g, u, dt).to(dt), mask=ok)
 
-
     @triton.jit
     def _rope_cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, scaling, HALF: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -262,28 +262,16 @@ if triton is not None:
         tl.store(sin_ptr + at, s.to(sin_ptr.dtype.element_ty), mask=ok)
 
 
-def rope_cos_sin_rows_ref(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
-                     dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-    """Torch reference of :func:`rope_cos_sin_rows`: the ops of
-    :meth:`kvstrata.nn.layers.RotaryEmbedding.cos_sin` (no product by a scaling of 1: the
-    same values)."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos(), emb.sin()
-    if scaling != 1.0:
-        cos, sin = cos * scaling, sin * scaling
-    return cos.to(dtype), sin.to(dtype)
-
-
 def rope_cos_sin_rows(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
-                 dtype: torch.dtype = torch.float32, impl: str = "auto"
-                 ) -> tuple[Tensor, Tensor]:
+                      dtype: torch.dtype = torch.float32, impl: str = "auto"
+                      ) -> tuple[Tensor, Tensor]:
     """RoPE ``cos, sin`` ``[T, 2 * len(inv_freq)]`` (rotate-half layout) of ``positions [T]``
     int64: ``cos(p * inv_freq)`` twice over, times ``scaling``, in float32 (``inv_freq`` of
     any float dtype, upcast) and then ``dtype``.
-    One launch on CUDA, the torch ops elsewhere (:func:`rope_cos_sin_rows_ref`)."""
+    One launch on CUDA, the torch ops elsewhere (:func:`rope_cos_sin_rows_ref`, which is
+    :func:`kvstrata.nn.layers.rope_cos_sin_rows`)."""
     t, half = positions.shape[0], inv_freq.shape[0]
-    if not _use_triton(positions, impl) or t == 0:
+    if not use_triton(positions, impl) or t == 0:
         return rope_cos_sin_rows_ref(positions, inv_freq, scaling, dtype)
     if not inv_freq.is_floating_point() or inv_freq.device != positions.device:
         raise ValueError(f"rope_cos_sin_rows: inv_freq must be floating point on "
@@ -298,20 +286,11 @@ def rope_cos_sin_rows(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
     return cos, sin
 
 
-def _use_triton(x: Tensor, impl: str) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    if torch.is_grad_enabled() and x.requires_grad:
-        return False     # the kernels have no backward: autograd takes the torch ops
-    return triton is not None and (impl == "triton" or (impl == "auto"
-                                                        and x.device.type == "cuda"))
-
-
 def add_rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
                  impl: str = "auto") -> tuple[Tensor, Tensor]:
     """``(rms_norm(residual + x), residual + x)``; x, residual: ``[T, dim]`` (rows contiguous),
     weight ``[dim]`` of x's dtype. Without ``residual`` the second result is ``x``."""
-    if not _use_triton(x, impl) or weight.dtype != x.dtype or x.stride(-1) != 1 or (
+    if not use_triton(x, impl) or weight.dtype != x.dtype or x.stride(-1) != 1 or (
             residual is not None and residual.stride(-1) != 1):
         return add_rms_norm_ref(x, weight, eps, residual)
     T, dim = x.shape
@@ -332,7 +311,7 @@ def head_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tens
     """Per-head RMSNorm then RoPE: x ``[T, heads, head_dim]`` (head_dim contiguous), weight
     ``[head_dim]``, cos/sin ``[T, head_dim]`` (float32). Returns a new ``[T, heads, head_dim]``."""
     T, H, D = x.shape
-    if not _use_triton(x, impl) or weight.dtype != x.dtype or x.stride(2) != 1 or D % 2 or (
+    if not use_triton(x, impl) or weight.dtype != x.dtype or x.stride(2) != 1 or D % 2 or (
             D & (D - 1)) or cos.stride(1) != 1 or sin.stride(1) != 1:
         return head_norm_rope_ref(x, weight, eps, cos, sin)
     out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
@@ -346,7 +325,7 @@ def head_norm_rope(x: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tens
 
 def silu_mul(gate: Tensor, up: Tensor, impl: str = "auto") -> Tensor:
     """``silu(gate) * up`` of two contiguous tensors of one shape and dtype."""
-    if not _use_triton(gate, impl) or not (gate.is_contiguous() and up.is_contiguous()) or (
+    if not use_triton(gate, impl) or not (gate.is_contiguous() and up.is_contiguous()) or (
             gate.shape != up.shape or gate.dtype != up.dtype):
         return silu_mul_ref(gate, up)
     out = torch.empty_like(gate)
@@ -361,7 +340,7 @@ def silu_mul_merged(gate_up: Tensor, impl: str = "auto") -> Tensor:
     contiguous) -> ``[T, n]``: the values of :func:`silu_mul` of the two halves."""
     T, n2 = gate_up.shape
     n = n2 // 2
-    if not _use_triton(gate_up, impl) or gate_up.stride(-1) != 1 or n2 % 2:
+    if not use_triton(gate_up, impl) or gate_up.stride(-1) != 1 or n2 % 2:
         return silu_mul_ref(gate_up[:, :n], gate_up[:, n:])
     out = torch.empty((T, n), dtype=gate_up.dtype, device=gate_up.device)
     if T and n:
@@ -403,7 +382,7 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
         if slot_mapping is None:
             raise ValueError("a K/V write needs slot_mapping")
         check_kv_write(kv_cache, layer, (T, hkv, d), qkv.dtype, slot_mapping)
-    if not _use_triton(qkv, impl) or k_weight.dtype != qkv.dtype or (
+    if not use_triton(qkv, impl) or k_weight.dtype != qkv.dtype or (
             hq and q_weight.dtype != qkv.dtype) or qkv.stride(1) != 1 or d & (d - 1) or (
             cos.stride(1) != 1 or sin.stride(1) != 1) or (write and kv_cache.stride(5) != 1):
         return qkv_norm_rope_ref(qkv, q_weight, k_weight, eps, cos, sin, hq, hkv, kv_cache,
@@ -427,5 +406,5 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
 
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "head_norm_rope", "head_norm_rope_ref",
-           "rope_cos_sin_rows", "rope_cos_sin_rows_ref",
-           "qkv_norm_rope", "qkv_norm_rope_ref", "silu_mul", "silu_mul_merged", "silu_mul_ref"]
+           "qkv_norm_rope", "qkv_norm_rope_ref", "rope_cos_sin_rows", "rope_cos_sin_rows_ref",
+           "silu_mul", "silu_mul_merged", "silu_mul_ref"]

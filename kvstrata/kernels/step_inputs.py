@@ -35,6 +35,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._device import use_triton
+
 try:
     import triton
     import triton.language as tl
@@ -113,8 +115,8 @@ if triton is not None:
     def _positions_kernel(start_ptr, qlen_ptr, bt_ptr, s_bt, max_pages, P, rows, width, cap,
                           pos_ptr, slots_ptr, qlenc_ptr, qlenv_ptr, sl_ptr, s_sl, tok_ptr,
                           ids_ptr, dr_ptr, s_dr, full_row, start_row, mask_id,
-                          QLENV: tl.constexpr,
-                          FULL: tl.constexpr, START: tl.constexpr, IDS: tl.constexpr,
+                          QLENV: tl.constexpr, FULL: tl.constexpr, START: tl.constexpr,
+                          IDS: tl.constexpr,
                           BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr):
         i = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         j = tl.arange(0, BLOCK_W).to(tl.int64)
@@ -244,7 +246,7 @@ def step_positions(start: Tensor, qlen: Tensor, block_tables: Tensor, page_size:
     want_ids = drafts is not None or mask_id is not None
     if want_ids and tok is None:
         raise ValueError("step_positions: the stage's ids (drafts or mask_id) need tok")
-    if not _kernel_ok(start, impl) or b == 0:
+    if not use_triton(start, impl) or b == 0:
         return step_positions_ref(start, qlen, block_tables, page_size, width, cap,
                                   seq_lens=seq_lens, full_row=full_row, start_row=start_row,
                                   qlenv32=qlenv32, tok=tok, mask_id=mask_id, drafts=drafts)
@@ -276,13 +278,6 @@ def _positions_outputs(start: Tensor, width: int, seq_lens, qlenv32, tok, want_i
             tok if tok is not None else qlenc, ids if ids is not None else qlenc, dr,
             dr.stride(0) if drafts is not None else 0)
     return pos, slots, qlenc, ids, args
-
-
-def _kernel_ok(t: Tensor, impl: str) -> bool:
-    if impl not in ("auto", "triton", "torch"):
-        raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    return triton is not None and impl != "torch" and (t.device.type == "cuda"
-                                                       or impl == "triton")
 
 
 def greedy_accept_ref(tgt: Tensor, drafts: Tensor | None, qlenc: Tensor, start: Tensor,
@@ -321,7 +316,7 @@ def greedy_accept(tgt: Tensor, drafts: Tensor | None, qlenc: Tensor, start: Tens
     elsewhere, or ``None`` without drafts. One launch on CUDA, the torch reference elsewhere
     (``impl`` as for :func:`step_positions`)."""
     b, w = tgt.shape
-    if not _kernel_ok(tgt, impl) or b == 0:
+    if not use_triton(tgt, impl) or b == 0:
         return greedy_accept_ref(tgt, drafts, qlenc, start, slots, out, block)
     ctx = torch.empty((b, w), dtype=torch.int64, device=tgt.device) if drafts is not None \
         else None

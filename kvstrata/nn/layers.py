@@ -61,9 +61,23 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
 
     The functional form of :class:`RotaryEmbedding` (no scaling), for callers without a module.
     """
-    freqs = positions.float()[..., None] * rope_inv_freq(head_dim, theta, positions.device)
+    return rope_cos_sin_rows(positions, rope_inv_freq(head_dim, theta, positions.device), 1.0,
+                             dtype)
+
+
+def rope_cos_sin_rows(positions: Tensor, inv_freq: Tensor, scaling: float = 1.0,
+                      dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """RoPE cos/sin ``[..., 2 * len(inv_freq)]`` (rotate-half layout: the frequencies twice)
+    of positions ``[...]`` (int64): ``cos(p * inv_freq)`` in float32 (``inv_freq`` upcast),
+    times ``scaling`` (not multiplied when 1: the same values), cast to ``dtype``. The one
+    formula of :func:`rope_cos_sin` and :meth:`RotaryEmbedding.cos_sin`;
+    ``kernels.layer_ops.rope_cos_sin_rows`` is its one-launch CUDA form."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: Mapping | None) -> tuple[Tensor, float]:
@@ -93,9 +107,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return rope_cos_sin_rows(positions, self.inv_freq, self.attention_scaling)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -274,4 +286,4 @@ def merge_layer_weights(layers: Sequence[nn.Module]) -> None:
 
 __all__ = ["AttentionProjections", "MergedLinear", "Product", "RMSNorm", "RotaryEmbedding",
            "SwiGLUMLP", "apply_rotary", "merge_layer_weights", "merged", "rms_norm",
-           "rope_cos_sin", "rope_inv_freq"]
+           "rope_cos_sin", "rope_cos_sin_rows", "rope_inv_freq"]
