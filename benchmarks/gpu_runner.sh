@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated rope bsweep vsweep persistent dataflow
+#   gated rope bsweep vsweep persistent dataflow segment
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
@@ -22,7 +22,8 @@
 # runner_bench arguments, e.g. --sweep-contexts 8192); vsweep: batch-1 verify attention over q blocks, fused merge,
 # split lengths and tiles; persistent: benchmarks/persistent_chain.py (a smoke run of 2 layers,
 # then 36; PERSIST_ARGS, e.g. "--modes mma --rings 16x12"); dataflow:
-# benchmarks/dataflow_chain.py (DATAFLOW_ARGS, e.g. "--sg 16"). Markdown/logs go to
+# benchmarks/dataflow_chain.py (DATAFLOW_ARGS, e.g. "--sg 16"); segment:
+# benchmarks/segment_proto.py (attention + o_proj in one launch; SEG_ARGS). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
@@ -86,6 +87,8 @@ for s in "${steps[@]}"; do
                     --out "$OUT/persistent.md"; } > "$OUT/persistent.log" 2>&1 ;;
     dataflow) timeout 150 python3 benchmarks/dataflow_chain.py ${DATAFLOW_ARGS:-} \
                 --out "$OUT/dataflow.md" > "$OUT/dataflow.log" 2>&1 ;;
+    segment) timeout 420 python3 benchmarks/segment_proto.py ${SEG_ARGS:-} \
+                --out "$OUT/segment.md" > "$OUT/segment.log" 2>&1 ;;
     *) echo "unknown step $s" > "$OUT/$s.log" ;;
   esac
   echo "== $s: rc=$? $(( $(date +%s) - start ))s"; tail -${TAIL:-6} "$OUT/$s.log"
