@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
+from ..kernels.decode_segment import decode_segment, decode_segment_ok
 from ..kernels.gemv import gemv, gemv_add_norm, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
@@ -275,13 +276,22 @@ class Qwen3Model(nn.Module):
                                     attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                                     cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,
                                     slot_mapping=slot_mapping, impl=attn_impl)
-            o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                sliding_window=windows[i], impl=attn_impl)
             post = layer.post_attention_layernorm.weight
-            if fuse:
+            if fuse and decode_segment_ok(q, kv_cache, meta, attn.o_proj.weight,
+                                          attn.o_proj.bias, windows[i], attn_impl):
+                # batch-1 decode on Hopper: attention and o_proj (+ residual, next norm) in one
+                # persistent launch (kernels.decode_segment)
+                x, h, rms = decode_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                           weight=attn.o_proj.weight, residual=h,
+                                           norm_weight=post, eps=eps)
+            elif fuse:
+                o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                    sliding_window=windows[i], impl=attn_impl)
                 x, h, rms = attn.project_out(o, product=functools.partial(
                     gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
             else:
+                o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                    sliding_window=windows[i], impl=attn_impl)
                 x, h = add_rms_norm(attn.project_out(o, product=mm), post, eps, residual=h,
                                     impl=attn_impl)
             # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)

@@ -1,0 +1,572 @@
+"""Batch-1 decode: attention and the o_proj product in one persistent launch (Hopper, CUDA C++).
+
+At batch 1 a decoder layer's attention reads ~1 MB of K/V per 1k tokens and takes ~12 us in a
+step, nearly all latency, and o_proj (``gemv_add_norm``) cannot start streaming its weights until
+attention is done: Triton cannot keep weights in shared memory across a PDL wait, and attention's
+programs fill every SM (docs/benchmarks.md, runner sessions 4-14). :func:`decode_segment` runs
+both as one launch of 128 blocks, one per SM, all resident (a cooperative launch):
+
+1. each block starts Hopper bulk copies of its first ``RS`` o_proj weight rows into shared memory
+   (they depend on nothing), right after its first K/V loads are issued;
+2. each block computes one (KV head, split) of split-KV attention (``128 / num_kv_heads`` splits
+   per head; 8 warps over the split's pages, a half-warp per token, the next page's K/V loaded
+   while one is computed, online softmax in float32) and stores the split's normalised partial
+   and its log-sum-exp (base 2);
+3. a grid barrier; blocks 0 .. num_q_heads-1 merge one query head each into the bf16 attention
+   output; a second grid barrier;
+4. each block multiplies its ``N / 128`` o_proj rows (``RS`` from shared memory, the rest from
+   memory) by the output held in registers, and writes what :func:`~.gemv.gemv_add_norm` writes:
+   ``h = residual + product`` (bf16), ``norm_weight * h`` and each block's sum of squares of
+   ``h`` (the next product's :class:`~.gemv.RowRms`).
+
+The grid barriers count on one int32 per device that only grows (128 arrivals per barrier, and
+2**32 is a multiple of 128), so CUDA-graph replays need no reset. Sums run in a fixed order and
+no float atomics are used: a launch is deterministic, so graph replay equals eager bit for bit.
+The values differ from the Triton attention + ``gemv_add_norm`` path only by summation order
+(the CUDA tests bound it).
+
+The source is compiled once per shape with NVRTC through ``torch.cuda._compile_kernel`` (torch's
+bundled NVRTC; no other dependency) and launched with ``cuLaunchCooperativeKernel``.
+:func:`decode_segment_ok` says where it applies (sm_90, >= 128 SMs, one query of one sequence, a
+bf16 page-major pool of 16-token pages and 128-dim heads, no sliding window or o_proj bias, shapes
+below); ``KVSTRATA_DECODE_SEGMENT=0`` turns it off. Measured: docs/benchmarks.md, fifteenth runner
+session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from .attention_plan import AttentionMetadata
+from .gemv import RowRms
+
+#: ``KVSTRATA_DECODE_SEGMENT=0`` keeps batch-1 decode on the Triton attention + ``gemv_add_norm``
+#: launches (``1``: this kernel where it applies).
+SEGMENT_ENV = "KVSTRATA_DECODE_SEGMENT"
+_DEFAULT = "0"
+#: blocks of a launch (one per SM): KV heads x splits, and N / BLOCKS o_proj rows each
+BLOCKS = 128
+WARPS = 8
+#: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0, 8 and 24 at 1k
+#: and 8k, docs/benchmarks.md fifteenth runner session)
+SMEM_ROWS = 16
+_LOG2E = 1.4426950408889634
+
+_SOURCE = r"""
+#define NKV %(nkv)d
+#define GROUP %(group)d
+#define SPLITS %(splits)d
+#define K_IN %(k_in)d
+#define RPW %(rpw)d
+#define RS %(rs)d
+#define RREG %(rreg)d
+#define STAMPS %(stamps)d
+#define NW 8
+#define ROWS (RPW * NW)
+#define NEG_INF (__int_as_float(0xff800000))
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+struct __align__(16) v4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float bf(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ bf16_t to_bf(float f) {   // round to nearest even (finite values)
+    u32 u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ void unpack8(const v4& v, float* f) {
+    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+__device__ __forceinline__ v4 ld_cg(const void* p) {   // through L2: other blocks wrote it
+    v4 v;
+    asm volatile("ld.global.cg.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cg_f(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %%0, [%%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#if STAMPS
+#define STAMP(k) if (threadIdx.x == 0) { u64 t_; \
+    asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t_)); stamps[blockIdx.x * 8 + (k)] = t_; }
+#else
+#define STAMP(k)
+#endif
+
+// All blocks meet. The counter only grows: a barrier's target is the next multiple of the grid.
+__device__ __forceinline__ void grid_barrier(u32* ctr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u32 old = atomicAdd(ctr, 1u);
+        const u32 target = old - old %% gridDim.x + gridDim.x;
+        while ((int)(ld_acquire(ctr) - target) < 0) { }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// This block's first RS o_proj rows into shared memory: bulk copies of <= 16 KB, one mbarrier.
+__device__ __forceinline__ void start_rows(const bf16_t* src_rows, unsigned char* smem, u64* bar) {
+    if (RS == 0) return;
+    const unsigned char* src = (const unsigned char*)src_rows;
+    asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(sa(bar)));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
+                 :: "r"(sa(bar)), "r"(RS * K_IN * 2) : "memory");
+    for (int off = 0; off < RS * K_IN * 2; off += 16384) {
+        const u32 n = RS * K_IN * 2 - off < 16384 ? RS * K_IN * 2 - off : 16384;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                     " [%%0], [%%1], %%2, [%%3];"
+                     :: "r"(sa(smem + off)), "l"(src + off), "r"(n), "r"(sa(bar)) : "memory");
+    }
+}
+
+__device__ __forceinline__ void wait_rows(u64* bar) {
+    if (RS == 0) return;
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n"
+                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], 0;\n"
+                     " selp.u32 %%0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(sa(bar)) : "memory");
+    }
+}
+
+// One 16-token page of K and V: a half-warp per token, 8 dims per lane.
+__device__ __forceinline__ void load_page(const bf16_t* kp, long long s_kv, int half, int li,
+                                          v4* kr, v4* vr) {
+    const bf16_t* vp = kp + s_kv;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        kr[i] = *(const v4*)(kp + (2 * i + half) * 128 + 8 * li);
+        vr[i] = *(const v4*)(vp + (2 * i + half) * 128 + 8 * li);
+    }
+}
+
+// The online-softmax update of one page (tokens >= hi masked) for the GROUP query heads.
+__device__ __forceinline__ void attend_page(const v4* kr, const v4* vr, int p, int hi, int half,
+                                            const float (&qr)[GROUP][8], float* m, float* l,
+                                            float (&acc)[GROUP][8]) {
+    const unsigned FULL = 0xffffffffu;
+    float s[GROUP][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float kf[8];
+        unpack8(kr[i], kf);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float d = 0.f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) d = fmaf(qr[g][j], kf[j], d);
+            s[g][i] = d;
+        }
+    }
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1)
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s[g][i] += __shfl_xor_sync(FULL, s[g][i], off);
+    bool ok[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ok[i] = p * 16 + 2 * i + half < hi;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) if (ok[i]) mx = fmaxf(mx, s[g][i]);
+        const float mn = fmaxf(m[g], mx);
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        const float alpha = exp2f(m[g] - ms);
+        float pr[8], ps = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { pr[i] = ok[i] ? exp2f(s[g][i] - ms) : 0.f; ps += pr[i]; }
+        l[g] = l[g] * alpha + ps;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
+        m[g] = mn;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float vf[8];
+            unpack8(vr[i], vf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(pr[i], vf[j], acc[g][j]);
+        }
+    }
+}
+
+// The merged attention output of query head qh, dim d: the SPLITS partials' weighted mean.
+__device__ __forceinline__ float merge_one(const float* part_o, const float* part_lse, int qh,
+                                           int d) {
+    float lse[SPLITS], o[SPLITS], M = NEG_INF;
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) {
+        lse[s] = ld_cg_f(part_lse + s * NKV * GROUP + qh);
+        o[s] = ld_cg_f(part_o + (size_t)(s * NKV * GROUP + qh) * 128 + d);
+    }
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) M = fmaxf(M, lse[s]);
+    if (M == NEG_INF) return 0.f;
+    float sum = 0.f, val = 0.f;
+#pragma unroll
+    for (int s = 0; s < SPLITS; ++s) {
+        const float e = exp2f(lse[s] - M);
+        sum += e;
+        val += e * o[s];
+    }
+    return val / sum;
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32, 1)
+decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long long layer_off,
+               long long s_page, long long s_kv, long long s_head,
+               const int* __restrict__ bt, const int* __restrict__ seq_len_p,
+               const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
+               const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
+               bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    bf16_t* wsm = (bf16_t*)smem;                                        // RS rows of W
+    float* red = (float*)(smem + RS * K_IN * 2);                       // [NW][GROUP][128]
+    float* red_m = red + NW * GROUP * 128;
+    float* red_l = red_m + NW * GROUP;
+    float* ssw = red_l + NW * GROUP;                                    // [NW]
+    u64* bar = (u64*)(ssw + NW);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int half = lane >> 4, li = lane & 15;
+    const int c = blockIdx.x;
+    const unsigned FULL = 0xffffffffu;
+    STAMP(0)
+    // the epilogue's inputs for this warp's rows, read now
+    float rres[RPW], rgam[RPW];
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+        rres[rr] = bf(res[c * ROWS + warp + rr * NW]);
+        rgam[rr] = bf(gam[c * ROWS + warp + rr * NW]);
+    }
+
+    // 1-2. one (KV head, split) of attention; the weight copies start after the first loads
+    const int h = c / SPLITS, sidx = c %% SPLITS;
+    const int L = *seq_len_p;
+    int T = (L + SPLITS - 1) / SPLITS;
+    T = (T + 15) & ~15;
+    const int lo = sidx * T, hi = min(lo + T, L);
+    float qr[GROUP][8], m[GROUP], l[GROUP], acc[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        unpack8(*(const v4*)(q + (size_t)(GROUP * h + g) * 128 + 8 * li), qr[g]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { qr[g][j] *= qk_scale; acc[g][j] = 0.f; }
+        m[g] = NEG_INF; l[g] = 0.f;
+    }
+    const bf16_t* kbase = kv + layer_off + (long long)h * s_head;
+    // this warp's pages p0, p0 + NW, ...; their ids 32 at a time, one per lane
+    const int p0 = lo / 16 + warp, pend = (hi + 15) / 16;
+    const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
+    int btl = lane < npw ? bt[p0 + lane * NW] : 0;
+    v4 kr[8], vr[8];
+    if (npw > 0)
+        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
+    if (tid == 0) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
+    for (int k = 0; k < npw; ++k) {
+        v4 kn[8], vn[8];
+        const int k1 = k + 1;
+        if (k1 < npw) {
+            if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * NW] : 0;
+            load_page(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, s_kv, half,
+                      li, kn, vn);
+        }
+        attend_page(kr, vr, p0 + k * NW, hi, half, qr, m, l, acc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
+    }
+    // the two half-warps' states, then the warps' through shared memory
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const float mo = __shfl_xor_sync(FULL, m[g], 16), lo2 = __shfl_xor_sync(FULL, l[g], 16);
+        const float mn = fmaxf(m[g], mo), ms = mn == NEG_INF ? 0.f : mn;
+        const float a = exp2f(m[g] - ms), b = exp2f(mo - ms);
+        l[g] = l[g] * a + lo2 * b;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            acc[g][j] = acc[g][j] * a + __shfl_xor_sync(FULL, acc[g][j], 16) * b;
+        m[g] = mn;
+        if (half == 0) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) red[(warp * GROUP + g) * 128 + 8 * li + j] = acc[g][j];
+        }
+        if (lane == 0) { red_m[warp * GROUP + g] = m[g]; red_l[warp * GROUP + g] = l[g]; }
+    }
+    __syncthreads();
+    for (int o = tid; o < GROUP * 128; o += NW * 32) {
+        const int g = o >> 7, d = o & 127;
+        float M = NEG_INF;
+        for (int w = 0; w < NW; ++w) M = fmaxf(M, red_m[w * GROUP + g]);
+        float sum = 0.f, val = 0.f;
+        if (M != NEG_INF) {
+            for (int w = 0; w < NW; ++w) {
+                const float e = exp2f(red_m[w * GROUP + g] - M);
+                sum += red_l[w * GROUP + g] * e;
+                val += red[(w * GROUP + g) * 128 + d] * e;
+            }
+        }
+        const int row = sidx * NKV * GROUP + GROUP * h + g;
+        part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
+        if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
+    }
+    STAMP(1)
+
+    // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
+    grid_barrier(ctr);
+#if RREG
+    // every block's attention is done: this warp's rows past RS into registers now
+    v4 wg[RPW - RS / NW][K_IN / 256];
+#pragma unroll
+    for (int rr = RS / NW; rr < RPW; ++rr)
+#pragma unroll
+        for (int it = 0; it < K_IN / 256; ++it)
+            wg[rr - RS / NW][it] = *(const v4*)(W + (size_t)(c * ROWS + warp + rr * NW) * K_IN
+                                                + it * 256 + lane * 8);
+#endif
+    STAMP(2)
+    for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
+        xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
+    STAMP(3)
+    grid_barrier(ctr);
+    STAMP(4)
+
+    // 4. this block's o_proj rows: this lane's K_IN / 32 inputs in registers (bf16), the
+    // warp's RPW rows (warp, warp + NW, ...) at once; rows below RS from shared memory
+    v4 xp[K_IN / 256];
+#pragma unroll
+    for (int it = 0; it < K_IN / 256; ++it) xp[it] = ld_cg(xbuf + it * 256 + lane * 8);
+    if (tid < 32) wait_rows(bar);
+    __syncthreads();
+    STAMP(5)
+    float a[RPW];
+    const bf16_t* wr[RPW];
+#pragma unroll
+    for (int rr = 0; rr < RPW; ++rr) {
+        a[rr] = 0.f;
+        const int r = warp + rr * NW;
+        wr[rr] = (rr < RS / NW ? wsm + (size_t)r * K_IN : W + (size_t)(c * ROWS + r) * K_IN)
+                 + lane * 8;
+    }
+#pragma unroll
+    for (int it = 0; it < K_IN / 256; ++it) {
+        float xf[8];
+        unpack8(xp[it], xf);
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) {
+            float wf[8];
+#if RREG
+            if (rr >= RS / NW) unpack8(wg[rr - RS / NW][it], wf);
+            else
+#endif
+            unpack8(*(const v4*)(wr[rr] + it * 256), wf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[rr] = fmaf(wf[j], xf[j], a[rr]);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) a[rr] += __shfl_xor_sync(FULL, a[rr], off);
+    float ssum = 0.f;
+    if (lane == 0) {
+#pragma unroll
+        for (int rr = 0; rr < RPW; ++rr) {
+            // rounded as gemv_add_norm rounds: the product, h = residual + product, g * h
+            const int row = c * ROWS + warp + rr * NW;
+            const bf16_t hn = to_bf(rres[rr] + bf(to_bf(a[rr])));
+            hout[row] = hn;
+            const float hf = bf(hn);
+            out[row] = to_bf(rgam[rr] * hf);
+            ssum += hf * hf;
+        }
+        ssw[warp] = ssum;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float t = 0.f;
+        for (int w = 0; w < NW; ++w) t += ssw[w];
+        ss_out[c] = t;
+    }
+    STAMP(6)
+}
+"""
+
+
+def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
+           stamps: bool = False) -> str:
+    """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
+    multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
+    ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
+    rows = n_out // BLOCKS
+    return _SOURCE % {"nkv": nkv, "group": group, "splits": BLOCKS // nkv, "k_in": k_in,
+                      "rpw": rows // WARPS, "rs": min(rs, rows), "rreg": int(rreg),
+                      "stamps": int(stamps)}
+
+
+def smem_bytes(group: int, k_in: int, rs: int) -> int:
+    """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states, the mbarrier."""
+    return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
+
+
+class _Kernel:
+    """A compiled launch: the CUDA function, its shared memory, cooperative launches on the
+    current stream through the driver API."""
+
+    def __init__(self, src: str, smem: int):
+        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+        self._check = _check_cuda
+        self._lib = _get_gpu_runtime_library()
+        self._k = torch.cuda._compile_kernel(src, "decode_segment",
+                                             nvcc_options=["-std=c++17"])
+        self._k.set_shared_memory_config(smem)
+        self.smem = smem
+
+    def __call__(self, args: list) -> None:
+        vals = [a if isinstance(a, (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float))
+                else ctypes.c_void_p(a.data_ptr()) for a in args]
+        params = (ctypes.c_void_p * len(vals))(
+            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        u = ctypes.c_uint
+        self._check(self._lib.cuLaunchCooperativeKernel(
+            self._k.func, u(BLOCKS), u(1), u(1), u(WARPS * 32), u(1), u(1), u(self.smem),
+            stream, params))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
+            rreg: int, stamps: bool) -> _Kernel:
+    with torch.cuda.device(device):
+        rs = min(rs, n_out // BLOCKS)
+        return _Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps),
+                       smem_bytes(group, k_in, rs))
+
+
+#: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,
+#: and are never freed (a captured graph keeps using its own). Launches on two streams may run
+#: at once; each stream's counter sees only its own launches' arrivals.
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def _counter(device: torch.device) -> Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(16, dtype=torch.int32, device=device)
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(device: torch.device) -> bool:
+    p = torch.cuda.get_device_properties(device)
+    return (p.major == 9 and p.multi_processor_count >= BLOCKS
+            and hasattr(torch.cuda, "_compile_kernel"))
+
+
+def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
+                      bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
+                      ) -> bool:
+    """Whether :func:`decode_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
+    >= 128 SMs (and ``KVSTRATA_DECODE_SEGMENT`` not ``0``) for the shapes
+    :func:`segment_shapes_ok` takes."""
+    if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, _DEFAULT) == "0":
+        return False
+    if not (segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)
+            and _device_ok(q.device)):
+        return False
+    hkv = kv_cache.shape[3]
+    return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
+    """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
+    once and leaves the layer on the Triton path."""
+    try:
+        _kernel(device, nkv, group, k_in, n_out, SMEM_ROWS, 0, False)
+        return True
+    except Exception as e:   # noqa: BLE001 - NVRTC or driver refused: the Triton path serves
+        warnings.warn(f"kernels.decode_segment: not compiled for {nkv} KV heads x {group}, "
+                      f"o_proj [{n_out}, {k_in}] on {device} ({e}); batch-1 decode keeps the "
+                      "Triton attention + o_proj launches", RuntimeWarning, stacklevel=2)
+        return False
+
+
+def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
+                      bias: Tensor | None, sliding_window: int | None) -> bool:
+    """The shapes the kernel takes (any device): one causal query of one sequence, bf16 ``q [1,
+    Hq, 128]`` (heads 128 apart) and a contiguous pool ``[pages, layers, 2, Hkv, 16, 128]``,
+    Hkv dividing 128 with at most 8 query heads each, a contiguous o_proj weight ``[N, Hq *
+    128]`` with ``Hq * 128 <= 4096`` a multiple of 256 and ``N`` a multiple of 1024 up to 4096,
+    no bias, no sliding window."""
+    if (meta.num_seqs != 1 or meta.max_query_len != 1 or not meta.causal
+            or sliding_window is not None or bias is not None):
+        return False
+    if (q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != 128 or q.dtype != torch.bfloat16
+            or q.stride(2) != 1 or q.stride(1) != 128):
+        return False
+    hq = q.shape[1]
+    if (kv_cache.dim() != 6 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
+            or kv_cache.shape[2] != 2 or kv_cache.shape[4] != 16 or kv_cache.shape[5] != 128):
+        return False
+    hkv = kv_cache.shape[3]
+    if BLOCKS % hkv or hq % hkv or hq // hkv > 8:
+        return False
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    return (k == hq * 128 and k % 256 == 0 and k <= 4096 and n % 1024 == 0 and 0 < n <= 4096
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous())
+
+
+def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
+                   sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                   eps: float) -> tuple[Tensor, Tensor, RowRms]:
+    """``gemv_add_norm(paged_attention(q, ...).reshape(1, -1), weight, None, residual,
+    norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
+    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``."""
+    n, k_in = weight.shape
+    hq, hkv = q.shape[1], kv_cache.shape[3]
+    if residual.shape != (1, n) or norm_weight.shape != (n,):
+        raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
+                         f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
+    dev = q.device
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, SMEM_ROWS, 0, False)
+    splits = BLOCKS // hkv
+    part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
+    xbuf = torch.empty(k_in, dtype=torch.bfloat16, device=dev)
+    out = torch.empty((1, n), dtype=torch.bfloat16, device=dev)
+    h = torch.empty((1, n), dtype=torch.bfloat16, device=dev)
+    ss = torch.empty((1, BLOCKS), dtype=torch.float32, device=dev)
+    s = kv_cache.stride()
+    kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
+          ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
+          norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, _counter(dev),
+          ctypes.c_float(sm_scale * _LOG2E), ctypes.c_void_p(0)])
+    return out, h, RowRms(ss, n, eps)
+
+
+__all__ = ["SEGMENT_ENV", "decode_segment", "decode_segment_ok", "segment_shapes_ok"]

@@ -1,0 +1,137 @@
+"""kernels.decode_segment: batch-1 decode attention + o_proj in one launch.
+
+CPU: which shapes and plans it takes (everything else keeps the Triton path). CUDA (sm_90): its
+outputs against the Triton attention + ``gemv_add_norm`` path and a float32 reference, over
+contexts that leave pages, splits and a warp's 32-page id window partly filled; graph replay ==
+eager bit for bit; the switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvstrata.kernels import decode_segment as ds
+from kvstrata.kernels.attention import paged_attention
+from kvstrata.kernels.attention_plan import plan_attention
+from kvstrata.kernels.gemv import gemv_add_norm
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and (
+    torch.cuda.get_device_properties(0).multi_processor_count >= ds.BLOCKS)
+cuda = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU, >= 128 SMs")]
+
+
+def _case(device, ctx, hq=32, hkv=8, n=4096, layers=2, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    pages = -(-ctx // 16) + 3
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).to(device)
+
+    kv = rnd(pages, layers, 2, hkv, 16, 128)
+    bt = torch.randperm(pages, generator=g)[None].to(torch.int32).to(device)
+    meta = plan_attention(bt, [ctx], [1], page_size=16, num_kv_heads=hkv)
+    q = rnd(1, hq, 128)
+    w = rnd(n, hq * 128, scale=0.02)
+    res = rnd(1, n)
+    gam = (1 + rnd(n, scale=0.1).float()).to(torch.bfloat16)
+    return q, kv, meta, w, res, gam
+
+
+def test_shapes_it_takes_and_refuses():
+    q, kv, meta, w, res, gam = _case("cpu", 100)
+    assert ds.segment_shapes_ok(q, kv, meta, w, None, None)
+    # the CPU never runs it, whatever the shapes
+    assert not ds.decode_segment_ok(q, kv, meta, w, None, None)
+    refused = {
+        "two queries": (q, kv, dataclasses.replace(meta, max_query_len=2), w, None, None),
+        "block mode": (q, kv, dataclasses.replace(meta, causal=False), w, None, None),
+        "sliding window": (q, kv, meta, w, None, 64),
+        "o_proj bias": (q, kv, meta, w, torch.zeros(4096), None),
+        "fp16 q": (q.half(), kv, meta, w, None, None),
+        "head dim 64": (q[..., :64], kv, meta, w, None, None),
+        "page of 32": (q, kv.reshape(-1, 2, 2, 8, 32, 128), meta, w, None, None),
+        "N not a multiple of 1024": (q, kv, meta, w[:3072 + 512], None, None),
+        "N above 4096": (q, kv, meta, torch.cat([w, w]), None, None),
+        "weight not contiguous": (q, kv, meta, w.t().contiguous().t(), None, None),
+        "16 query heads per KV head": (q, kv[:, :, :, :2].contiguous(), meta, w, None, None),
+    }
+    for why, args in refused.items():
+        assert not ds.segment_shapes_ok(*args), why
+    two = plan_attention(torch.zeros((2, 8), dtype=torch.int32), [5, 5], [1, 1], page_size=16)
+    assert not ds.segment_shapes_ok(q, kv, two, w, None, None)
+
+
+def test_shared_memory_fits_a_hopper_block():
+    for group, k in ((4, 4096), (8, 4096), (2, 2048), (1, 256)):
+        assert ds.smem_bytes(group, k, ds.SMEM_ROWS) <= 227 * 1024
+
+
+def _triton(q, kv, layer, meta, w, res, gam):
+    o = paged_attention(q, kv, layer, meta, sm_scale=128 ** -0.5)
+    return gemv_add_norm(o.reshape(1, -1), w, None, res, gam, 1e-6)
+
+
+def _segment(q, kv, layer, meta, w, res, gam):
+    return ds.decode_segment(q, kv, layer, meta, sm_scale=128 ** -0.5, weight=w, residual=res,
+                             norm_weight=gam, eps=1e-6)
+
+
+@pytest.mark.parametrize("ctx", [1, 5, 16, 17, 255, 1000, 4097, 8192, 70001])
+@pytest.mark.parametrize("shape", [(32, 8, 4096), (16, 8, 1024)])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_equals_the_triton_path(ctx, shape, mark, monkeypatch):
+    monkeypatch.setenv(ds.SEGMENT_ENV, "1")
+    hq, hkv, n = shape
+    q, kv, meta, w, res, gam = _case("cuda", ctx, hq, hkv, n, seed=ctx)
+    assert ds.decode_segment_ok(q, kv, meta, w, None, None)
+    x, h, rms = _segment(q, kv, 1, meta, w, res, gam)
+    tx, th, trms = _triton(q, kv, 1, meta, w, res, gam)
+    # float32 reference of h: the two kernels differ from it by their summation orders
+    o = paged_attention(q.float(), kv.float(), 1, meta, sm_scale=128 ** -0.5, impl="torch")
+    ref = res.float() + o.reshape(1, -1).to(torch.bfloat16).float() @ w.float().t()
+    err, terr = (h.float() - ref).abs().max().item(), (th.float() - ref).abs().max().item()
+    assert err <= max(2 * terr, 2e-2), (err, terr)
+    torch.testing.assert_close(h.float(), th.float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(x.float(), tx.float(), atol=6e-2, rtol=2e-2)
+    assert rms.parts.shape == (1, ds.BLOCKS) and rms.dim == n
+    torch.testing.assert_close(rms.rstd(), trms.rstd(), atol=0, rtol=2e-3)
+    # what it writes is what it computes from its own h: g * h and the sums of squares
+    assert torch.equal(x, (gam.float() * h.float()).to(torch.bfloat16))
+    torch.testing.assert_close(rms.parts.sum(), h.float().square().sum(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_graph_replay_equals_eager_bit_for_bit(mark):
+    q, kv, meta, w, res, gam = _case("cuda", 3000)
+    meta = dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())
+    eager = [t.clone() for t in _segment(q, kv, 1, meta, w, res, gam)[:2]]
+    again = _segment(q, kv, 1, meta, w, res, gam)[:2]
+    assert all(torch.equal(a, b) for a, b in zip(eager, again))
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = _segment(q, kv, 1, meta, w, res, gam)[:2]
+    for _ in range(3):
+        g.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    # the graph reads the length from device memory: a shorter context gives its own result
+    meta.seq_lens.fill_(1234)
+    g.replay()
+    short = _segment(q, kv, 1, meta, w, res, gam)[:2]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, short))
+    assert not torch.equal(outs[1], eager[1])
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_switch_turns_it_off(mark, monkeypatch):
+    monkeypatch.setenv(ds.SEGMENT_ENV, "1")
+    q, kv, meta, w, *_ = _case("cuda", 100)
+    assert ds.decode_segment_ok(q, kv, meta, w, None, None)
+    assert not ds.decode_segment_ok(q, kv, meta, w, None, None, impl="triton")
+    monkeypatch.setenv(ds.SEGMENT_ENV, "0")
+    assert not ds.decode_segment_ok(q, kv, meta, w, None, None)
