@@ -49,7 +49,7 @@ from .gemv import RowRms
 #: ``KVSTRATA_DECODE_SEGMENT=0`` keeps batch-1 decode on the Triton attention + ``gemv_add_norm``
 #: launches (``1``: this kernel where it applies).
 SEGMENT_ENV = "KVSTRATA_DECODE_SEGMENT"
-_DEFAULT = "0"
+_DEFAULT = "1"
 #: blocks of a launch (one per SM): KV heads x splits, and N / BLOCKS o_proj rows each
 BLOCKS = 128
 WARPS = 8
