@@ -53,7 +53,7 @@ _DEFAULT = "1"
 #: blocks of a launch (one per SM): KV heads x splits, and N / BLOCKS o_proj rows each
 BLOCKS = 128
 WARPS = 8
-#: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0, 8 and 24 at 1k
+#: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
 _LOG2E = 1.4426950408889634

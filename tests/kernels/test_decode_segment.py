@@ -3,7 +3,7 @@
 CPU: which shapes and plans it takes (everything else keeps the Triton path). CUDA (sm_90): its
 outputs against the Triton attention + ``gemv_add_norm`` path and a float32 reference, over
 contexts that leave pages, splits and a warp's 32-page id window partly filled; graph replay ==
-eager bit for bit; the switch.
+eager bit for bit; the switch; a Qwen3 model's batch-1 decode through it.
 """
 
 from __future__ import annotations
@@ -135,3 +135,45 @@ def test_cuda_switch_turns_it_off(mark, monkeypatch):
     assert not ds.decode_segment_ok(q, kv, meta, w, None, None, impl="triton")
     monkeypatch.setenv(ds.SEGMENT_ENV, "0")
     assert not ds.decode_segment_ok(q, kv, meta, w, None, None)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_qwen3_batch1_decode_takes_it(mark, tmp_path, monkeypatch):
+    """A Qwen3 with 128-dim heads (8 query, 2 KV heads, hidden 1024) decodes at batch 1 through
+    the segment, one launch per layer, and its hidden states match those of the Triton path
+    (the same tokens fed to both); prefill never takes it."""
+    transformers = pytest.importorskip("transformers")
+    from kvstrata.runtime import qwen3
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=256, hidden_size=1024, intermediate_size=1536, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1e6, max_position_embeddings=4096, tie_word_embeddings=True,
+        torch_dtype="bfloat16")
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path, safe_serialization=True)
+    model = qwen3.Qwen3Model.from_pretrained(tmp_path, device="cuda", dtype="bfloat16")
+    calls = []
+    real = qwen3.decode_segment
+    monkeypatch.setattr(qwen3, "decode_segment", lambda *a, **k: calls.append(1) or real(*a, **k))
+    tokens = torch.randint(0, 256, (310,), generator=torch.Generator().manual_seed(1)).cuda()
+    bt = torch.arange(40, dtype=torch.int32, device="cuda")[None]
+
+    def run(flag):
+        monkeypatch.setenv(ds.SEGMENT_ENV, flag)
+        kv = torch.zeros((40, 2, 2, 2, 16, 128), dtype=torch.bfloat16, device="cuda")
+        pos = torch.arange(310, device="cuda")
+        hs = []
+        with torch.no_grad():
+            model(tokens[:300], pos[:300], plan_attention(bt, [300], [300], page_size=16),
+                  pos[:300], kv)
+            for t in range(300, 310):
+                h, _ = model(tokens[t:t + 1], pos[t:t + 1],
+                             plan_attention(bt, [t + 1], [1], page_size=16), pos[t:t + 1], kv)
+                hs.append(h)
+        return torch.cat(hs)
+
+    off = run("0")
+    assert not calls
+    on = run("1")
+    assert len(calls) == 10 * 2
+    torch.testing.assert_close(on.float(), off.float(), atol=6e-2, rtol=3e-2)
