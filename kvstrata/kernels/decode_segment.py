@@ -19,7 +19,7 @@ both as one launch of 128 blocks, one per SM, all resident (a cooperative launch
    ``h = residual + product`` (bf16), ``norm_weight * h`` and each block's sum of squares of
    ``h`` (the next product's :class:`~.gemv.RowRms`).
 
-The grid barriers count on one int32 per device that only grows (128 arrivals per barrier, and
+The grid barriers count on one int32 per (device, stream) that only grows (128 arrivals per barrier, and
 2**32 is a multiple of 128), so CUDA-graph replays need no reset. Sums run in a fixed order and
 no float atomics are used: a launch is deterministic, so graph replay equals eager bit for bit.
 The values differ from the Triton attention + ``gemv_add_norm`` path only by summation order
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import warnings
 
@@ -49,14 +50,13 @@ from .gemv import RowRms
 #: ``KVSTRATA_DECODE_SEGMENT=0`` keeps batch-1 decode on the Triton attention + ``gemv_add_norm``
 #: launches (``1``: this kernel where it applies).
 SEGMENT_ENV = "KVSTRATA_DECODE_SEGMENT"
-_DEFAULT = "1"
 #: blocks of a launch (one per SM): KV heads x splits, and N / BLOCKS o_proj rows each
 BLOCKS = 128
 WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-_LOG2E = 1.4426950408889634
+_LOG2E = math.log2(math.e)
 
 _SOURCE = r"""
 #define NKV %(nkv)d
@@ -493,7 +493,7 @@ def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
     """Whether :func:`decode_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
     >= 128 SMs (and ``KVSTRATA_DECODE_SEGMENT`` not ``0``) for the shapes
     :func:`segment_shapes_ok` takes."""
-    if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, _DEFAULT) == "0":
+    if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, "1") == "0":
         return False
     if not (segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)
             and _device_ok(q.device)):
@@ -543,17 +543,21 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float) -> tuple[Tensor, Tensor, RowRms]:
+                   eps: float, _variant: tuple[int, int] = (SMEM_ROWS, 0),
+                   _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(1, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
-    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``."""
+    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
+
+    ``_variant`` (rows in shared memory, rows into registers after barrier 1) and ``_stamps``
+    (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]
     if residual.shape != (1, n) or norm_weight.shape != (n,):
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, SMEM_ROWS, 0, False)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_variant, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -565,7 +569,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, _counter(dev),
-          ctypes.c_float(sm_scale * _LOG2E), ctypes.c_void_p(0)])
+          ctypes.c_float(sm_scale * _LOG2E),
+          _stamps if _stamps is not None else ctypes.c_void_p(0)])
     return out, h, RowRms(ss, n, eps)
 
 

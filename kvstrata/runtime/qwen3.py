@@ -284,16 +284,15 @@ class Qwen3Model(nn.Module):
                 x, h, rms = decode_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                            weight=attn.o_proj.weight, residual=h,
                                            norm_weight=post, eps=eps)
-            elif fuse:
-                o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                    sliding_window=windows[i], impl=attn_impl)
-                x, h, rms = attn.project_out(o, product=functools.partial(
-                    gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
             else:
                 o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                     sliding_window=windows[i], impl=attn_impl)
-                x, h = add_rms_norm(attn.project_out(o, product=mm), post, eps, residual=h,
-                                    impl=attn_impl)
+                if fuse:
+                    x, h, rms = attn.project_out(o, product=functools.partial(
+                        gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
+                else:
+                    x, h = add_rms_norm(attn.project_out(o, product=mm), post, eps, residual=h,
+                                        impl=attn_impl)
             # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)
             g = gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True, rms=rms)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
