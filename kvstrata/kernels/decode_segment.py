@@ -44,14 +44,13 @@ import warnings
 import torch
 from torch import Tensor
 
+from ._cuda import BLOCKS, PRELUDE, Kernel, device_ok, grid_counter
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
 #: ``KVSTRATA_DECODE_SEGMENT=0`` keeps batch-1 decode on the Triton attention + ``gemv_add_norm``
 #: launches (``1``: this kernel where it applies).
 SEGMENT_ENV = "KVSTRATA_DECODE_SEGMENT"
-#: blocks of a launch (one per SM): KV heads x splits, and N / BLOCKS o_proj rows each
-BLOCKS = 128
 WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
@@ -69,86 +68,16 @@ _SOURCE = r"""
 #define STAMPS %(stamps)d
 #define NW 8
 #define ROWS (RPW * NW)
-#define NEG_INF (__int_as_float(0xff800000))
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-struct __align__(16) v4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ float bf(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
-__device__ __forceinline__ bf16_t to_bf(float f) {   // round to nearest even (finite values)
-    u32 u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
-__device__ __forceinline__ void unpack8(const v4& v, float* f) {
-    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
-    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
-    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
-    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
-}
-__device__ __forceinline__ v4 ld_cg(const void* p) {   // through L2: other blocks wrote it
-    v4 v;
-    asm volatile("ld.global.cg.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ float ld_cg_f(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %%0, [%%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ u32 ld_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-#if STAMPS
-#define STAMP(k) if (threadIdx.x == 0) { u64 t_; \
-    asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t_)); stamps[blockIdx.x * 8 + (k)] = t_; }
-#else
-#define STAMP(k)
-#endif
-
-// All blocks meet. The counter only grows: a barrier's target is the next multiple of the grid.
-__device__ __forceinline__ void grid_barrier(u32* ctr) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const u32 old = atomicAdd(ctr, 1u);
-        const u32 target = old - old %% gridDim.x + gridDim.x;
-        while ((int)(ld_acquire(ctr) - target) < 0) { }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
+%(prelude)s
 // This block's first RS o_proj rows into shared memory: bulk copies of <= 16 KB, one mbarrier.
 __device__ __forceinline__ void start_rows(const bf16_t* src_rows, unsigned char* smem, u64* bar) {
     if (RS == 0) return;
     const unsigned char* src = (const unsigned char*)src_rows;
-    asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" :: "r"(sa(bar)));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
-                 :: "r"(sa(bar)), "r"(RS * K_IN * 2) : "memory");
-    for (int off = 0; off < RS * K_IN * 2; off += 16384) {
-        const u32 n = RS * K_IN * 2 - off < 16384 ? RS * K_IN * 2 - off : 16384;
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                     " [%%0], [%%1], %%2, [%%3];"
-                     :: "r"(sa(smem + off)), "l"(src + off), "r"(n), "r"(sa(bar)) : "memory");
-    }
-}
-
-__device__ __forceinline__ void wait_rows(u64* bar) {
-    if (RS == 0) return;
-    u32 done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n"
-                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], 0;\n"
-                     " selp.u32 %%0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(sa(bar)) : "memory");
-    }
+    mbar_init(bar, 1);
+    mbar_fence_init();
+    mbar_expect(bar, RS * K_IN * 2);
+    for (int off = 0; off < RS * K_IN * 2; off += 16384)
+        bulk_copy(sa(smem + off), src + off, min(RS * K_IN * 2 - off, 16384), bar);
 }
 
 // One 16-token page of K and V: a half-warp per token, 8 dims per lane.
@@ -162,8 +91,9 @@ __device__ __forceinline__ void load_page(const bf16_t* kp, long long s_kv, int 
     }
 }
 
-// The online-softmax update of one page (tokens >= hi masked) for the GROUP query heads.
-__device__ __forceinline__ void attend_page(const v4* kr, const v4* vr, int p, int hi, int half,
+// The online-softmax update of one page (tokens >= hi masked: their V rows are zeroed, as a
+// page's tokens past the sequence may hold anything, NaN too) for the GROUP query heads.
+__device__ __forceinline__ void attend_page(const v4* kr, v4* vr, int p, int hi, int half,
                                             const float (&qr)[GROUP][8], float* m, float* l,
                                             float (&acc)[GROUP][8]) {
     const unsigned FULL = 0xffffffffu;
@@ -189,6 +119,10 @@ __device__ __forceinline__ void attend_page(const v4* kr, const v4* vr, int p, i
     bool ok[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) ok[i] = p * 16 + 2 * i + half < hi;
+    if (p * 16 + 16 > hi) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) if (!ok[i]) vr[i] = v4{0u, 0u, 0u, 0u};
+    }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
         float mx = NEG_INF;
@@ -359,7 +293,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     v4 xp[K_IN / 256];
 #pragma unroll
     for (int it = 0; it < K_IN / 256; ++it) xp[it] = ld_cg(xbuf + it * 256 + lane * 8);
-    if (tid < 32) wait_rows(bar);
+    if (RS > 0 && tid < 32) mbar_wait(bar, 0);
     __syncthreads();
     STAMP(5)
     float a[RPW];
@@ -422,9 +356,9 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
-    return _SOURCE % {"nkv": nkv, "group": group, "splits": BLOCKS // nkv, "k_in": k_in,
-                      "rpw": rows // WARPS, "rs": min(rs, rows), "rreg": int(rreg),
-                      "stamps": int(stamps)}
+    return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
+                      "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
+                      "rreg": int(rreg), "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -432,59 +366,13 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
     return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
 
 
-class _Kernel:
-    """A compiled launch: the CUDA function, its shared memory, cooperative launches on the
-    current stream through the driver API."""
-
-    def __init__(self, src: str, smem: int):
-        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
-        self._check = _check_cuda
-        self._lib = _get_gpu_runtime_library()
-        self._k = torch.cuda._compile_kernel(src, "decode_segment",
-                                             nvcc_options=["-std=c++17"])
-        self._k.set_shared_memory_config(smem)
-        self.smem = smem
-
-    def __call__(self, args: list) -> None:
-        vals = [a if isinstance(a, (ctypes.c_void_p, ctypes.c_int64, ctypes.c_float))
-                else ctypes.c_void_p(a.data_ptr()) for a in args]
-        params = (ctypes.c_void_p * len(vals))(
-            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        u = ctypes.c_uint
-        self._check(self._lib.cuLaunchCooperativeKernel(
-            self._k.func, u(BLOCKS), u(1), u(1), u(WARPS * 32), u(1), u(1), u(self.smem),
-            stream, params))
-
-
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, stamps: bool) -> _Kernel:
+            rreg: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return _Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps),
-                       smem_bytes(group, k_in, rs))
-
-
-#: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,
-#: and are never freed (a captured graph keeps using its own). Launches on two streams may run
-#: at once; each stream's counter sees only its own launches' arrivals.
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def _counter(device: torch.device) -> Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = _COUNTERS[key] = torch.zeros(16, dtype=torch.int32, device=device)
-    return c
-
-
-@functools.lru_cache(maxsize=None)
-def _device_ok(device: torch.device) -> bool:
-    p = torch.cuda.get_device_properties(device)
-    return (p.major == 9 and p.multi_processor_count >= BLOCKS
-            and hasattr(torch.cuda, "_compile_kernel"))
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps), "decode_segment",
+                      smem_bytes(group, k_in, rs), WARPS * 32)
 
 
 def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
@@ -496,7 +384,7 @@ def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
     if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, "1") == "0":
         return False
     if not (segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)
-            and _device_ok(q.device)):
+            and device_ok(q.device)):
         return False
     hkv = kv_cache.shape[3]
     return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
@@ -568,7 +456,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     s = kv_cache.stride()
     kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
-          norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, _counter(dev),
+          norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
           _stamps if _stamps is not None else ctypes.c_void_p(0)])
     return out, h, RowRms(ss, n, eps)

@@ -24,6 +24,7 @@ from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.decode_segment import decode_segment, decode_segment_ok
 from ..kernels.gemv import gemv, gemv_add_norm, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
+from ..kernels.verify_segment import verify_segment, verify_segment_ok
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
 from ..nn.hfconfig import DecoderDims, decoder_fields
@@ -282,6 +283,13 @@ class Qwen3Model(nn.Module):
                 # batch-1 decode on Hopper: attention and o_proj (+ residual, next norm) in one
                 # persistent launch (kernels.decode_segment)
                 x, h, rms = decode_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
+                                           weight=attn.o_proj.weight, residual=h,
+                                           norm_weight=post, eps=eps)
+            elif fuse and verify_segment_ok(q, kv_cache, meta, attn.o_proj.weight,
+                                            attn.o_proj.bias, windows[i], attn_impl):
+                # batch-1 verify (2-16 queries) on Hopper: the same, with matrix products
+                # (kernels.verify_segment)
+                x, h, rms = verify_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
                                            weight=attn.o_proj.weight, residual=h,
                                            norm_weight=post, eps=eps)
             else:

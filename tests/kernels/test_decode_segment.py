@@ -104,6 +104,18 @@ def test_cuda_equals_the_triton_path(ctx, shape, mark, monkeypatch):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_nan_past_the_sequence(mark):
+    """Pool slots past the sequence (the last page's tail) may hold anything, NaN too."""
+    q, kv, meta, w, res, gam = _case("cuda", 1000)
+    page = meta.block_tables[0, 1000 // 16].item()
+    kv[page, :, :, :, 1000 % 16:] = float("nan")
+    x, h, _ = _segment(q, kv, 1, meta, w, res, gam)
+    tx, th, _ = _triton(q, kv, 1, meta, w, res, gam)
+    assert torch.isfinite(h).all() and torch.isfinite(x).all()
+    torch.testing.assert_close(h.float(), th.float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_graph_replay_equals_eager_bit_for_bit(mark):
     q, kv, meta, w, res, gam = _case("cuda", 3000)
     meta = dataclasses.replace(meta, seq_lens=meta.seq_lens.clone())

@@ -1,0 +1,218 @@
+"""What the persistent CUDA C++ kernels share (:mod:`.decode_segment`, :mod:`.verify_segment`).
+
+Each is one cooperative launch of :data:`BLOCKS` blocks (one per SM, all resident) compiled at
+run time with the NVRTC bundled in torch (``torch.cuda._compile_kernel``) and launched through
+the driver (``cuLaunchCooperativeKernel``, which CUDA-graph capture records like any launch).
+This module holds the device helpers their sources start with (:data:`PRELUDE`: bf16 bits,
+loads through L2, the grid barrier, mbarriers, bulk and tensor copies, ``ldmatrix`` and the
+bf16 ``mma``), the launcher (:class:`Kernel`), the grid barriers' counters
+(:func:`grid_counter`), Hopper tensor maps (:func:`tensor_map_2d`) and the device check
+(:func:`device_ok`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+#: blocks of a launch: one per SM of an H100/H200 (132 SMs; 128 divides every split count)
+BLOCKS = 128
+
+#: Device helpers (plain CUDA C++, no ``%`` formatting). A source defines ``STAMPS`` (0/1)
+#: before it; ``STAMP(k)`` then writes ``%globaltimer`` into ``stamps[block * 8 + k]``.
+PRELUDE = r"""
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+struct __align__(16) v4 { u32 x, y, z, w; };
+struct __align__(64) TMap { u64 v[16]; };   // a CUtensorMap, passed by value
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float bf(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ bf16_t to_bf(float f) {   // round to nearest even (finite values)
+    u32 u = __float_as_uint(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+__device__ __forceinline__ u32 pack_bf(float lo, float hi) {
+    return (u32)to_bf(lo) | ((u32)to_bf(hi) << 16);
+}
+__device__ __forceinline__ void unpack8(const v4& v, float* f) {
+    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+}
+__device__ __forceinline__ v4 ld_cg(const void* p) {   // through L2: other blocks wrote it
+    v4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_cg_f(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+#if STAMPS
+#define STAMP(k) if (threadIdx.x == 0) { u64 t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); stamps[blockIdx.x * 8 + (k)] = t_; }
+#else
+#define STAMP(k)
+#endif
+
+// All blocks meet. The counter only grows: a barrier's target is the next multiple of the grid.
+__device__ __forceinline__ void grid_barrier(u32* ctr) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u32 old = atomicAdd(ctr, 1u);
+        const u32 target = old - old % gridDim.x + gridDim.x;
+        while ((int)(ld_acquire(ctr) - target) < 0) { }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_fence_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect(u64* bar, u32 bytes) {   // one arrival + bytes
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(sa(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(sa(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n .reg .pred p;\n"
+                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(sa(bar)), "r"(parity) : "memory");
+    }
+}
+// n bytes (a multiple of 16, 16-byte aligned ends) global -> shared, completing on bar
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 n, u64* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(n), "r"(sa(bar)) : "memory");
+}
+// one box of a 2-D tensor map at (x: inner, y: row) -> shared, completing on bar
+__device__ __forceinline__ void tensor_copy(u32 dst, const TMap* map, int x, int y, u64* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];"
+                 :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(sa(bar)) : "memory");
+}
+__device__ __forceinline__ void ldsm4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm4_t(u32 addr, u32& a, u32& b, u32& c, u32& d) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
+}
+// d += a (16 x 16, row) * b (16 x 8, col): bf16 in, float32 accumulators
+__device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+
+
+class Kernel:
+    """A compiled kernel and its dynamic shared memory; each call is one cooperative launch of
+    :data:`BLOCKS` blocks of ``threads`` on the current stream. Arguments: tensors (their
+    addresses), ``ctypes`` scalars, or a tensor map (:func:`tensor_map_2d`, by value)."""
+
+    def __init__(self, src: str, name: str, smem: int, threads: int):
+        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+        self._check = _check_cuda
+        self._lib = _get_gpu_runtime_library()
+        self._k = torch.cuda._compile_kernel(src, name, nvcc_options=["-std=c++17"])
+        self._k.set_shared_memory_config(smem)
+        self.smem, self.threads = smem, threads
+
+    def __call__(self, args: list) -> None:
+        vals = [a if isinstance(a, (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+                                    ctypes.c_float, ctypes.Array))
+                else ctypes.c_void_p(a.data_ptr()) for a in args]
+        params = (ctypes.c_void_p * len(vals))(
+            *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        u = ctypes.c_uint
+        self._check(self._lib.cuLaunchCooperativeKernel(
+            self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1), u(self.smem),
+            stream, params))
+
+
+#: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,
+#: and are never freed (a captured graph keeps using its own). Launches on two streams may run
+#: at once; each stream's counter sees only its own launches' arrivals.
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def grid_counter(device: torch.device) -> Tensor:
+    """The current stream's grid-barrier counter on ``device``."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(16, dtype=torch.int32, device=device)
+    return c
+
+
+@functools.lru_cache(maxsize=None)
+def device_ok(device: torch.device) -> bool:
+    """An sm_90 GPU with at least :data:`BLOCKS` SMs, and a torch that compiles CUDA C++."""
+    p = torch.cuda.get_device_properties(device)
+    return (p.major == 9 and p.multi_processor_count >= BLOCKS
+            and hasattr(torch.cuda, "_compile_kernel"))
+
+
+#: CUtensorMap enums (cuda.h)
+_BF16, _SWIZZLE_128B, _L2_PROMOTION_128B = 9, 3, 2
+_MAPS: dict[tuple, ctypes.Array] = {}
+
+
+def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int) -> ctypes.Array:
+    """A tensor map over the bf16 tensor ``t`` seen as rows of its last dimension (contiguous),
+    boxes of ``box_rows x box_cols`` (``box_cols * 2 == 128`` bytes: the 128-byte swizzle, so
+    ``ldmatrix`` reads of 8 rows hit 8 different bank groups: chunk ``c`` of row ``r`` lands at
+    chunk ``c ^ (r % 8)``). Cached per (address, shape): a pool keeps its storage."""
+    cols = t.shape[-1]
+    rows = t.numel() // cols
+    key = (t.data_ptr(), rows, cols, box_rows, box_cols)
+    m = _MAPS.get(key)
+    if m is None:
+        if (t.dtype != torch.bfloat16 or not t.is_contiguous() or box_cols * 2 != 128
+                or rows >= 2 ** 31):
+            raise ValueError(f"tensor_map_2d: a contiguous bf16 tensor below 2**31 rows and "
+                             f"64-column boxes, got {t.dtype} {tuple(t.shape)}, box "
+                             f"{box_rows} x {box_cols}")
+        from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+        m = (ctypes.c_uint64 * 16)()
+        dims = (ctypes.c_uint64 * 2)(cols, rows)
+        strides = (ctypes.c_uint64 * 1)(cols * 2)
+        box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+        one = (ctypes.c_uint32 * 2)(1, 1)
+        _check_cuda(_get_gpu_runtime_library().cuTensorMapEncodeTiled(
+            ctypes.byref(m), ctypes.c_int(_BF16), ctypes.c_uint32(2),
+            ctypes.c_void_p(t.data_ptr()), dims, strides, box, one, ctypes.c_int(0),
+            ctypes.c_int(_SWIZZLE_128B), ctypes.c_int(_L2_PROMOTION_128B), ctypes.c_int(0)))
+        _MAPS[key] = m
+    return m

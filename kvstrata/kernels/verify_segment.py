@@ -1,0 +1,518 @@
+"""Batch-1 verify: attention of 2-16 query tokens and the o_proj product in one persistent launch
+(Hopper, CUDA C++ with tensor-core ``mma``).
+
+A batch-1 verify step (the target's forward over the last token and the drafts) spends ~27 us
+per layer at 1k in attention, the merge of its splits and o_proj, three launches that each wait
+for the previous one (docs/benchmarks.md, sixteenth runner session). :func:`verify_segment`
+runs them as one launch of 128 blocks, one per SM, all resident (a cooperative launch), the
+batch-1 decode segment's plan (:mod:`.decode_segment`) with matrix products:
+
+1. a producer warp per block brings the pages of one (KV head, split) into a ring of
+   shared-memory stages with Hopper tensor copies (128-byte swizzle), and the block's first 16
+   o_proj weight rows with bulk copies, spread over the pages so they do not delay the first
+   K/V loads;
+2. eight warps compute the split's attention: a warp owns one query head's 16 (token) rows
+   and every other page (``QK^T`` and ``PV`` by ``mma.m16n8k16``, online softmax in float32,
+   causal and length masks, V rows past the sequence zeroed) and the two warps of a head merge
+   in shared memory into the split's normalised partial and log-sum-exp (base 2);
+3. a grid barrier; each block merges ``16 * Hq / 128`` (token, head) rows of the splits into
+   the bf16 attention output; a second grid barrier;
+4. each block multiplies its ``N / 128`` o_proj rows (16 from shared memory, the rest from
+   memory) by the 16 output rows (``mma``, the eight warps split K, a fixed-order sum), and
+   writes what :func:`~.gemv.gemv_add_norm` writes: ``h = residual + product`` (bf16),
+   ``norm_weight * h`` and each block's per-row sums of squares of ``h``.
+
+No float atomics, fixed summation orders: graph replay equals eager bit for bit. The values
+differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
+tests bound it). :func:`verify_segment_ok` says where it applies (sm_90, >= 128 SMs, one
+sequence, 2-16 causal queries, a bf16 page-major pool of 16-token pages and 128-dim heads, no
+sliding window or o_proj bias, shapes below); ``KVSTRATA_VERIFY_SEGMENT=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+import warnings
+
+import torch
+from torch import Tensor
+
+from ._cuda import BLOCKS, PRELUDE, Kernel, device_ok, grid_counter, tensor_map_2d
+from .attention_plan import AttentionMetadata
+from .gemv import RowRms
+
+#: ``KVSTRATA_VERIFY_SEGMENT=0`` keeps batch-1 verify on the Triton attention + merge +
+#: ``gemv_add_norm`` launches.
+SEGMENT_ENV = "KVSTRATA_VERIFY_SEGMENT"
+WARPS = 8           # compute warps; one more warp issues the copies
+THREADS = (WARPS + 1) * 32
+#: ring stages of one page (K and V, 8 KB) each
+STAGES = 8
+#: query rows of a launch (an mma tile)
+MAX_QUERIES = 16
+_LOG2E = math.log2(math.e)
+
+_SOURCE = r"""
+#define NKV %(nkv)d
+#define GROUP %(group)d
+#define SPLITS %(splits)d
+#define K_IN %(k_in)d
+#define MT %(mt)d
+#define NST %(nst)d
+#define PREF %(pref)d
+#define STAMPS %(stamps)d
+#define BLOCKS %(blocks)d
+#define NW 8
+#define NT (NW * 32 + 32)
+#define WPM (NW / GROUP)
+#define HQ (NKV * GROUP)
+#define WP (K_IN * 2 + 16)
+#define RING (NST * 8192)
+#define NCH (K_IN / 512)
+%(prelude)s
+static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
+               long long s_qt, int layer, int nlayers, int T, const int* __restrict__ bt,
+               const int* __restrict__ seq_len_p, const int* __restrict__ qlen_p,
+               const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
+               const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
+               bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // the ring's boxes must start on 1024-byte boundaries (the 128-byte swizzle's period)
+    unsigned char* ring = smem_raw + ((1024u - (sa(smem_raw) & 1023u)) & 1023u);
+    unsigned char* wsm = ring + RING;                        // 16 weight rows, pitch WP
+    u64* full = (u64*)(wsm + 16 * WP);
+    u64* empty = full + NST;
+    u64* wbar = empty + NST;
+    float* red_m = (float*)(wbar + 1);                       // [NW][16]
+    float* red_l = red_m + NW * 16;                          // [NW][16]
+    float* sq = red_l + NW * 16;                             // [16][16 * MT]
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = blockIdx.x;
+    const int h = c / SPLITS, sidx = c %% SPLITS;
+    const int L = *seq_len_p;
+    const int nq = qlen_p ? min(*qlen_p, T) : T;
+    int TS = (L + SPLITS - 1) / SPLITS;
+    TS = (TS + 15) & ~15;
+    const int lo = sidx * TS, hi = min(lo + TS, L);
+    const int np = hi > lo ? (hi - lo + 15) / 16 : 0;
+    STAMP(0)
+    if (tid == 0) {
+        for (int i = 0; i < NST; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, GROUP); }
+        mbar_init(wbar, 1);
+        mbar_fence_init();
+    }
+    __syncthreads();
+    float o[16][4];   // a compute warp's attention state: output rows, row maxima and sums
+#pragma unroll
+    for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+    const int r0 = lane >> 2, qd = lane & 3;
+
+    if (warp == NW) {
+        // 1. the producer: pages into the ring, the weight rows spread over the later pages
+        if (lane == 0) {
+            const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
+            mbar_expect(wbar, 16 * K_IN * 2);
+            const int fill = min(np, NST);
+            const int at_fill = max(0, 16 - (np - fill));
+            int issued = 0;
+            const int page_rows = nlayers * 2 * NKV * 16;
+            const int row0 = (layer * 2 * NKV + h) * 16;
+            for (int i = 0; i < np; ++i) {
+                const int st = i %% NST;
+                if (i >= NST) mbar_wait(empty + st, ((i / NST) - 1) & 1);
+                const int y = bt[lo / 16 + i] * page_rows + row0;
+                const u32 dst = sa(ring) + st * 8192;
+                mbar_expect(full + st, 8192);
+                tensor_copy(dst, &kvmap, 0, y, full + st);
+                tensor_copy(dst + 2048, &kvmap, 64, y, full + st);
+                tensor_copy(dst + 4096, &kvmap, 0, y + NKV * 16, full + st);
+                tensor_copy(dst + 6144, &kvmap, 64, y + NKV * 16, full + st);
+                const int want = i < fill - 1 ? 0 : (i == fill - 1 ? at_fill : issued + 1);
+                for (; issued < min(want, 16); ++issued)
+                    bulk_copy(sa(wsm) + issued * WP, wrow + (size_t)issued * K_IN, K_IN * 2, wbar);
+            }
+            for (; issued < 16; ++issued)
+                bulk_copy(sa(wsm) + issued * WP, wrow + (size_t)issued * K_IN, K_IN * 2, wbar);
+        }
+    } else {
+        // 2. one query head's 16 rows over every WPM-th page of the split
+        const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
+        u32 qa[8][4];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            const int col = 16 * s + 2 * qd;
+            const bf16_t* q0 = q + (size_t)r0 * s_qt + qh * 128 + col;
+            const bf16_t* q1 = q0 + 8 * s_qt;
+            qa[s][0] = r0 < nq ? *(const u32*)q0 : 0u;
+            qa[s][1] = r0 + 8 < nq ? *(const u32*)q1 : 0u;
+            qa[s][2] = r0 < nq ? *(const u32*)(q0 + 8) : 0u;
+            qa[s][3] = r0 + 8 < nq ? *(const u32*)(q1 + 8) : 0u;
+        }
+        const int qp0 = L - nq + r0, qp1 = qp0 + 8;
+        for (int i = par; i < np; i += WPM) {
+            const int st = i %% NST;
+            mbar_wait(full + st, (i / NST) & 1);
+            const u32 sb = sa(ring) + st * 8192;
+            float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const int tok = (lane >> 4) * 8 + (lane & 7);
+                const int ch = 2 * (ks & 3) + ((lane >> 3) & 1);
+                u32 b0, b1, b2, b3;
+                ldsm4(sb + (ks >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4), b0, b1, b2, b3);
+                mma_bf16(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+                mma_bf16(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
+            }
+            const int k0 = lo + i * 16;
+            float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kp = k0 + 8 * j + 2 * qd + e;
+                    s[j][e] = kp <= qp0 && kp < hi ? s[j][e] * qk_scale : NEG_INF;
+                    s[j][2 + e] = kp <= qp1 && kp < hi ? s[j][2 + e] * qk_scale : NEG_INF;
+                    mx0 = fmaxf(mx0, s[j][e]);
+                    mx1 = fmaxf(mx1, s[j][2 + e]);
+                }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
+            const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
+            m0 = n0; m1 = n1;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    s[j][e] = exp2f(s[j][e] - z0);
+                    s[j][2 + e] = exp2f(s[j][2 + e] - z1);
+                }
+            l0 = l0 * al0 + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+            l1 = l1 * al1 + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+            }
+            const u32 pa0 = pack_bf(s[0][0], s[0][1]), pa1 = pack_bf(s[0][2], s[0][3]);
+            const u32 pa2 = pack_bf(s[1][0], s[1][1]), pa3 = pack_bf(s[1][2], s[1][3]);
+            // V rows past the split (the sequence's last page) may hold anything: zero them
+            const int kv0 = k0 + 2 * qd;
+            const u32 keep0 = (kv0 < hi ? 0xffffu : 0u) | (kv0 + 1 < hi ? 0xffff0000u : 0u);
+            const u32 keep1 = (kv0 + 8 < hi ? 0xffffu : 0u) | (kv0 + 9 < hi ? 0xffff0000u : 0u);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int mi = lane >> 3;
+                const int tok = (mi & 1) * 8 + (lane & 7);
+                const int ch = 2 * (u & 3) + (mi >> 1);
+                u32 v0, v1, v2, v3;
+                ldsm4_t(sb + 4096 + (u >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
+                        v0, v1, v2, v3);
+                mma_bf16(o[2 * u], pa0, pa1, pa2, pa3, v0 & keep0, v1 & keep1);
+                mma_bf16(o[2 * u + 1], pa0, pa1, pa2, pa3, v2 & keep0, v3 & keep1);
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + st);
+        }
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    }
+    __syncthreads();   // every page consumed: the ring holds the compute warps' states now
+    if (warp < NW) {
+        float* red = (float*)ring + warp * 16 * 128;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            const int d = 8 * n + 2 * qd;
+            red[r0 * 128 + d] = o[n][0]; red[r0 * 128 + d + 1] = o[n][1];
+            red[(r0 + 8) * 128 + d] = o[n][2]; red[(r0 + 8) * 128 + d + 1] = o[n][3];
+        }
+        if (qd == 0) {
+            red_m[warp * 16 + r0] = m0; red_m[warp * 16 + r0 + 8] = m1;
+            red_l[warp * 16 + r0] = l0; red_l[warp * 16 + r0 + 8] = l1;
+        }
+    }
+    __syncthreads();
+    // the split's partial of each (token, head): the WPM warps of the head merged
+    for (int o2 = tid; o2 < GROUP * 16 * 128; o2 += NT) {
+        const int g = o2 / 2048, t = (o2 >> 7) & 15, d = o2 & 127;
+        if (t >= nq) continue;
+        float M = NEG_INF;
+#pragma unroll
+        for (int p = 0; p < WPM; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
+        float sum = 0.f, val = 0.f;
+        if (M != NEG_INF) {
+#pragma unroll
+            for (int p = 0; p < WPM; ++p) {
+                const int w = g + p * GROUP;
+                const float e = exp2f(red_m[w * 16 + t] - M);
+                sum += red_l[w * 16 + t] * e;
+                val += ((float*)ring)[(w * 16 + t) * 128 + d] * e;
+            }
+        }
+        const int row = (sidx * 16 + t) * HQ + h * GROUP + g;
+        part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
+        if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
+    }
+    STAMP(1)
+
+    // 3. every partial stored: this block's (token, head) rows of the attention output
+    grid_barrier(ctr);
+#if PREF
+    if (MT > 1 && tid < 16 * (MT - 1)) {
+        const bf16_t* src = W + (size_t)(c * 16 * MT + 16 + tid) * K_IN;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%%0], %%1;"
+                     :: "l"(src), "r"(K_IN * 2) : "memory");
+    }
+#endif
+    STAMP(2)
+    for (int o2 = tid; o2 < (16 * HQ / BLOCKS) * 128; o2 += NT) {
+        const int row = c * (16 * HQ / BLOCKS) + (o2 >> 7), d = o2 & 127;
+        const int t = row / HQ, hh = row %% HQ;
+        float v = 0.f;
+        if (t < nq) {
+            float lse[SPLITS], M = NEG_INF;
+#pragma unroll
+            for (int s = 0; s < SPLITS; ++s) {
+                lse[s] = ld_cg_f(part_lse + (s * 16 + t) * HQ + hh);
+                M = fmaxf(M, lse[s]);
+            }
+            if (M != NEG_INF) {
+                float sum = 0.f, val = 0.f;
+#pragma unroll
+                for (int s = 0; s < SPLITS; ++s) {
+                    const float e = exp2f(lse[s] - M);
+                    sum += e;
+                    val += e * ld_cg_f(part_o + (size_t)((s * 16 + t) * HQ + hh) * 128 + d);
+                }
+                v = val / sum;
+            }
+        }
+        xbuf[(size_t)t * K_IN + hh * 128 + d] = to_bf(v);
+    }
+    STAMP(3)
+    grid_barrier(ctr);
+    STAMP(4)
+
+    // 4. o_proj: out^T [16 MT rows, 16 tokens] = W rows x x^T; warp w takes K_IN / 8 columns in
+    // chunks of 64 (lane quad qd holds elements 16 qd .. 16 qd + 15 of a chunk: the four
+    // k-steps' fragments in one order for W and x, so every load is 16 bytes)
+    float acc[MT][2][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
+    if (warp < NW) {
+        const int kw = warp * (K_IN / NW) + 16 * qd;
+        const bf16_t* wg = W + (size_t)(c * 16 * MT + 16 + r0) * K_IN + kw;
+        const bf16_t* xg = xbuf + (size_t)r0 * K_IN + kw;
+        v4 xr[NCH][4], wr[NCH][4];
+#define LOAD_CHUNK(ch) { \
+            xr[ch][0] = ld_cg(xg + (ch) * 64); xr[ch][1] = ld_cg(xg + (ch) * 64 + 8); \
+            xr[ch][2] = ld_cg(xg + 8 * K_IN + (ch) * 64); \
+            xr[ch][3] = ld_cg(xg + 8 * K_IN + (ch) * 64 + 8); \
+            if (MT > 1) { \
+                wr[ch][0] = *(const v4*)(wg + (ch) * 64); \
+                wr[ch][1] = *(const v4*)(wg + (ch) * 64 + 8); \
+                wr[ch][2] = *(const v4*)(wg + 8 * K_IN + (ch) * 64); \
+                wr[ch][3] = *(const v4*)(wg + 8 * K_IN + (ch) * 64 + 8); } }
+#pragma unroll
+        for (int ch = 0; ch < (NCH < 3 ? NCH : 3); ++ch) LOAD_CHUNK(ch)
+        mbar_wait(wbar, 0);
+        const unsigned char* ws0 = wsm + r0 * WP + kw * 2;
+#pragma unroll
+        for (int ch = 0; ch < NCH; ++ch) {
+            if (ch + 3 < NCH) LOAD_CHUNK(ch + 3)
+            v4 a[4];
+            a[0] = *(const v4*)(ws0 + ch * 128);
+            a[1] = *(const v4*)(ws0 + ch * 128 + 16);
+            a[2] = *(const v4*)(ws0 + 8 * WP + ch * 128);
+            a[3] = *(const v4*)(ws0 + 8 * WP + ch * 128 + 16);
+            const u32* A0 = (const u32*)a;
+            const u32* X = (const u32*)xr[ch];
+            const u32* A1 = (const u32*)wr[ch];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                // words 2s, 2s + 1 of a row's 8: the k-step's low and high fragment halves
+                const int lo8 = (s >> 1) * 4 + (s & 1) * 2;
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const u32 b0 = X[j * 8 + lo8], b1 = X[j * 8 + lo8 + 1];
+                    mma_bf16(acc[0][j], A0[lo8], A0[8 + lo8], A0[lo8 + 1], A0[8 + lo8 + 1],
+                             b0, b1);
+                    if (MT > 1)
+                        mma_bf16(acc[MT - 1][j], A1[lo8], A1[8 + lo8], A1[lo8 + 1],
+                                 A1[8 + lo8 + 1], b0, b1);
+                }
+            }
+        }
+#undef LOAD_CHUNK
+        float* red = (float*)ring + warp * (16 * MT * 16);   // [16 MT rows][16 tokens]
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    red[(m * 16 + r0) * 16 + 8 * j + 2 * qd + e] = acc[m][j][e];
+                    red[(m * 16 + r0 + 8) * 16 + 8 * j + 2 * qd + e] = acc[m][j][2 + e];
+                }
+    }
+    __syncthreads();
+    STAMP(5)
+    // the warps' sums in a fixed order; rounded as gemv_add_norm rounds: the product,
+    // h = residual + product, g * h, and each token's sum of squares over this block's rows
+    for (int o2 = tid; o2 < 16 * MT * 16; o2 += NT) {
+        const int r = o2 >> 4, t = o2 & 15;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
+        float hf = 0.f;
+        if (t < T) {
+            const int n = c * 16 * MT + r;
+            const bf16_t hn = to_bf(bf(res[(size_t)t * (BLOCKS * 16 * MT) + n]) + bf(to_bf(v)));
+            hout[(size_t)t * (BLOCKS * 16 * MT) + n] = hn;
+            hf = bf(hn);
+            out[(size_t)t * (BLOCKS * 16 * MT) + n] = to_bf(bf(gam[n]) * hf);
+        }
+        sq[t * 16 * MT + r] = hf * hf;
+    }
+    __syncthreads();
+    if (tid < T) {
+        float ssum = 0.f;
+        for (int r = 0; r < 16 * MT; ++r) ssum += sq[tid * 16 * MT + r];
+        ss_out[tid * BLOCKS + c] = ssum;
+    }
+    STAMP(6)
+}
+"""
+
+
+def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
+           pref: bool = False, stamps: bool = False) -> str:
+    """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
+    in shared memory after the first barrier; ``stamps``: per-block phase timestamps)."""
+    return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
+                      "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
+                      "blocks": BLOCKS, "pref": int(pref), "stamps": int(stamps)}
+
+
+def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
+    """Dynamic shared memory: 1 KB of alignment slack, the ring, 16 weight rows (16-byte pad),
+    the mbarriers, the warps' row maxima and sums, the squares of the epilogue."""
+    mt = n_out // (BLOCKS * 16)
+    return (1024 + stages * 8192 + 16 * (k_in * 2 + 16) + (2 * stages + 1) * 8
+            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
+            pref: bool, stamps: bool) -> Kernel:
+    with torch.cuda.device(device):
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, stamps), "verify_segment",
+                      smem_bytes(k_in, n_out, stages), THREADS)
+
+
+def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
+                      bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
+                      ) -> bool:
+    """Whether :func:`verify_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
+    >= 128 SMs (and ``KVSTRATA_VERIFY_SEGMENT`` not ``0``) for the shapes
+    :func:`segment_shapes_ok` takes."""
+    if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, "1") == "0":
+        return False
+    if not (segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)
+            and device_ok(q.device)):
+        return False
+    hkv = kv_cache.shape[3]
+    return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
+    """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
+    once and leaves the layer on the Triton path."""
+    try:
+        _kernel(device, nkv, group, k_in, n_out, STAGES, False, False)
+        return True
+    except Exception as e:   # noqa: BLE001 - NVRTC or driver refused: the Triton path serves
+        warnings.warn(f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, "
+                      f"o_proj [{n_out}, {k_in}] on {device} ({e}); batch-1 verify keeps the "
+                      "Triton attention + o_proj launches", RuntimeWarning, stacklevel=2)
+        return False
+
+
+def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
+                      bias: Tensor | None, sliding_window: int | None) -> bool:
+    """The shapes the kernel takes (any device): 2-16 causal queries of one sequence, bf16
+    ``q [T, Hq, 128]`` (heads 128 apart, tokens 8-byte aligned), a contiguous pool ``[pages,
+    layers, 2, Hkv, 16, 128]`` below 2**31 rows of 128, Hkv >= 2 dividing 128 with 1, 2, 4 or 8
+    query heads each and ``Hq`` a multiple of 8, a contiguous o_proj weight ``[N, Hq * 128]``
+    with ``N`` 2048 or 4096, ``Hq * 128 <= 4096``, no bias, no sliding window."""
+    if (meta.num_seqs != 1 or not 2 <= meta.max_query_len <= MAX_QUERIES or not meta.causal
+            or sliding_window is not None or bias is not None):
+        return False
+    if (q.dim() != 3 or q.shape[0] != meta.max_query_len or q.shape[2] != 128
+            or q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != 128
+            or q.stride(0) % 4 or q.data_ptr() % 16):
+        return False
+    hq = q.shape[1]
+    if (kv_cache.dim() != 6 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
+            or kv_cache.shape[2] != 2 or kv_cache.shape[4] != 16 or kv_cache.shape[5] != 128
+            or kv_cache.numel() // 128 >= 2 ** 31 or kv_cache.data_ptr() % 16):
+        return False
+    hkv = kv_cache.shape[3]
+    if BLOCKS % hkv or hq % hkv or hq // hkv not in (1, 2, 4, 8) or hq % 8 or hkv < 2:
+        return False
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    return (k == hq * 128 and k % 512 == 0 and k <= 4096 and n in (2048, 4096)
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous())
+
+
+def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
+                   sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
+                   eps: float, _variant: tuple[int, bool] = (STAGES, False),
+                   _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
+    """``gemv_add_norm(paged_attention(q, ...).reshape(T, -1), weight, None, residual,
+    norm_weight, eps)`` in one launch, where :func:`verify_segment_ok` holds: returns
+    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
+    plan's ``query_lens`` (a shortened block) take a zero attention output.
+
+    ``_variant`` (ring stages, the L2 prefetch) and ``_stamps`` (int64, ``BLOCKS * 8``:
+    per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
+    n, k_in = weight.shape
+    t, hq, hkv = q.shape[0], q.shape[1], kv_cache.shape[3]
+    if residual.shape != (t, n) or norm_weight.shape != (n,):
+        raise ValueError(f"verify_segment: residual {tuple(residual.shape)} and norm weight "
+                         f"{tuple(norm_weight.shape)} must be [{t}, {n}] and [{n}]")
+    dev = q.device
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_variant, _stamps is not None)
+    splits = BLOCKS // hkv
+    part_o = torch.empty(splits * MAX_QUERIES * hq * 128, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(splits * MAX_QUERIES * hq, dtype=torch.float32, device=dev)
+    xbuf = torch.empty((MAX_QUERIES, k_in), dtype=torch.bfloat16, device=dev)
+    out = torch.empty((t, n), dtype=torch.bfloat16, device=dev)
+    h = torch.empty((t, n), dtype=torch.bfloat16, device=dev)
+    ss = torch.empty((t, BLOCKS), dtype=torch.float32, device=dev)
+    kern([tensor_map_2d(kv_cache, 16, 64), q, ctypes.c_int64(q.stride(0)),
+          ctypes.c_int32(layer), ctypes.c_int32(kv_cache.shape[1]), ctypes.c_int32(t),
+          meta.block_tables, meta.seq_lens,
+          meta.query_lens if meta.query_lens is not None else ctypes.c_void_p(0),
+          weight, residual.contiguous(), norm_weight.contiguous(), out, h, ss, part_o, part_lse,
+          xbuf, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
+          _stamps if _stamps is not None else ctypes.c_void_p(0)])
+    return out, h, RowRms(ss, n, eps)
+
+
+__all__ = ["SEGMENT_ENV", "segment_shapes_ok", "verify_segment", "verify_segment_ok"]
