@@ -1,5 +1,6 @@
-"""Batch-1 decode attention + o_proj as one launch (``kernels.decode_segment``), against the
-shipped kernels (issue 13).
+"""Batch-1 decode attention + o_proj as one launch (``kernels.decode_segment``; with
+``--queries 2-16`` the verify step's, ``kernels.verify_segment``), against the shipped kernels
+(issue 13).
 
 Times, 36 layers in one CUDA graph: the Triton path (``paged_attention_triton`` in the runner's
 34-split grid, then ``gemv_add_norm``) and :func:`kvstrata.kernels.decode_segment` in variants
@@ -30,6 +31,8 @@ from runner_bench import _graph_us, copy_rate  # noqa: E402
 
 from kvstrata.kernels import attention_triton as at  # noqa: E402
 from kvstrata.kernels import decode_segment as seg  # noqa: E402
+from kvstrata.kernels import verify_segment as vseg  # noqa: E402
+from kvstrata.kernels.attention_plan import plan_attention  # noqa: E402
 from kvstrata.kernels.gemv import RowRms, gemv, gemv_add_norm  # noqa: E402
 
 LAYERS, HKV, HQ, D, PAGE, HID, INTER = 36, 8, 32, 128, 16, 4096, 12288
@@ -42,6 +45,10 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["16:0", "16:1", "24:0", "8:0"],
                     help="RS:RREG (o_proj rows per block in shared memory; 1: the other rows "
                     "into registers after the first grid barrier)")
+    ap.add_argument("--queries", type=int, default=1,
+                    help="query tokens: 1 times kernels.decode_segment, 2-16 "
+                    "kernels.verify_segment (variants NST:PREF: ring stages, the L2 prefetch of "
+                    "the weight rows not in shared memory)")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -64,18 +71,25 @@ def main() -> None:
     wqkv = [rnd(6144, HID) for _ in range(nl)]
     wgu = [rnd(2 * INTER, HID) for _ in range(nl)]
     wd = [rnd(HID, INTER) for _ in range(nl)]
-    res = rnd(1, HID, scale=1.0)
+    nq = args.queries
+    lib = seg.decode_segment if nq == 1 else vseg.verify_segment
+    res = rnd(nq, HID, scale=1.0)
     gam = (1 + rnd(HID, scale=0.1).float()).to(torch.bfloat16)
-    xin = rnd(1, HID, scale=1.0)
-    ss_in = torch.full((1, 64), 64.0, device=dev)
-    q_alone = rnd(1, HQ, D, scale=1.0)
+    xin = rnd(nq, HID, scale=1.0)
+    ss_in = torch.full((nq, 64), 64.0, device=dev)
+    q_alone = rnd(nq, HQ, D, scale=1.0)
+    if nq > 1 and args.variants == ap.get_default("variants"):
+        args.variants = ["8:0", "8:1", "10:0"]
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
+    if nq > 1:
+        variants = [(a, bool(b)) for a, b in variants]
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE
         kv = rnd(pages, nl, 2, HKV, PAGE, D, scale=1.0)
         bt = torch.randperm(pages, device=dev).to(torch.int32)[None]
-        meta = _runner_meta(bt, ctx, 34)
+        meta = (_runner_meta(bt, ctx, 34) if nq == 1 else
+                plan_attention(bt, [ctx], [nq], page_size=PAGE, num_kv_heads=HKV))
         floor_seg = (HID * HID * 2 + ctx * HKV * D * 2 * 2) / bw * 1e6
         floor_layer = floor_seg + (6144 + 2 * INTER + INTER) * HID * 2 / bw * 1e6
         say(f"## context {ctx}: segment floor {floor_seg:.1f} us, layer floor "
@@ -86,17 +100,17 @@ def main() -> None:
 
         def fused(layer, q, v, stamp=None):
             # the library's call in variant v, timestamps on (into stamp[layer] when given)
-            return seg.decode_segment(q, kv, layer, meta, sm_scale=SCALE, weight=wo[layer],
-                                      residual=res, norm_weight=gam, eps=EPS, _variant=v,
-                                      _stamps=stamp[layer] if stamp is not None else stamps[0])
+            return lib(q, kv, layer, meta, sm_scale=SCALE, weight=wo[layer], residual=res,
+                       norm_weight=gam, eps=EPS, _variant=v,
+                       _stamps=stamp[layer] if stamp is not None else stamps[0])
 
         def shipped(layer, q):
             a = at.paged_attention_triton(q, kv, layer, meta, sm_scale=SCALE)
-            return gemv_add_norm(a.view(1, HID), wo[layer], None, res, gam, EPS)
+            return gemv_add_norm(a.view(nq, HID), wo[layer], None, res, gam, EPS)
 
         def library(layer, q):
-            return seg.decode_segment(q, kv, layer, meta, sm_scale=SCALE, weight=wo[layer],
-                                      residual=res, norm_weight=gam, eps=EPS)
+            return lib(q, kv, layer, meta, sm_scale=SCALE, weight=wo[layer], residual=res,
+                       norm_weight=gam, eps=EPS)
 
         # correctness: layer 3, against the Triton path
         want_o, want_h, want_r = shipped(3, q_alone)
@@ -113,7 +127,7 @@ def main() -> None:
             def fn():
                 for layer in range(nl):
                     qkv = gemv(xin, wqkv[layer], rms=RowRms(ss_in, HID, EPS))
-                    o, h, rr = segment(layer, qkv[:, :HQ * D].view(1, HQ, D))
+                    o, h, rr = segment(layer, qkv[:, :HQ * D].view(nq, HQ, D))
                     a = gemv(o, wgu[layer], gated=True, rms=rr)
                     gemv_add_norm(a, wd[layer], None, h, gam, EPS)
             return fn
@@ -121,9 +135,9 @@ def main() -> None:
         def seg_fused(v, stamp=None):
             return lambda layer, q: fused(layer, q, v, stamp)
 
-        for name, f in (("Triton: attention (34 splits, fused merge) + o_proj `gemv_add_norm`",
-                         shipped), ("`decode_segment` (the library's call, no timestamps)",
-                                    library)):
+        for name, f in ((f"Triton: attention ({meta.num_splits} splits) + o_proj "
+                         "`gemv_add_norm`", shipped),
+                        (f"`{lib.__name__}` (the library's call, no timestamps)", library)):
             alone = _graph_us(lambda: [f(i, q_alone) for i in range(nl)], nl)
             inlayer = _graph_us(layer_chain(f), nl)
             say(f"| {name} | {alone:.1f} | {inlayer:.1f} |")
@@ -131,7 +145,7 @@ def main() -> None:
         for v in variants:
             alone = _graph_us(lambda: [fused(i, q_alone, v) for i in range(nl)], nl)
             inlayer = _graph_us(layer_chain(seg_fused(v)), nl)
-            say(f"| one launch, RS:RREG {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
+            say(f"| one launch, {'RS:RREG' if nq == 1 else 'NST:PREF'} {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
             # the phases inside the graph: every layer's blocks stamp their phases
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
                                                 for i in range(nl)]),
@@ -147,8 +161,9 @@ def main() -> None:
         say("Phases in the graph (us from the layer's first block start, median / last block, "
             "median over the middle half of the layers):")
         say("")
-        say("| RS:RREG | start | partial stored | barrier 1 (+ RREG loads issued) | merged | "
-            "barrier 2 | x + weights ready | end |")
+        say("| RS:RREG or NST:PREF | start | partial stored | barrier 1 (+ RREG loads or the "
+            "prefetch issued) | merged | barrier 2 | x + weights ready (decode) or products "
+            "summed (verify) | end |")
         say("|---|---|---|---|---|---|---|---|")
         for row in phases:
             say(row)
