@@ -49,6 +49,8 @@ def main() -> None:
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
                     "kernels.verify_segment (variants NST:PREF: ring stages, the L2 prefetch of "
                     "the weight rows not in shared memory)")
+    ap.add_argument("--lib", choices=["decode", "verify"], default=None,
+                    help="the kernel (default: decode_segment for 1 query, else verify_segment)")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -72,16 +74,17 @@ def main() -> None:
     wgu = [rnd(2 * INTER, HID) for _ in range(nl)]
     wd = [rnd(HID, INTER) for _ in range(nl)]
     nq = args.queries
-    lib = seg.decode_segment if nq == 1 else vseg.verify_segment
+    use_verify = args.lib == "verify" or (args.lib is None and nq > 1)
+    lib = vseg.verify_segment if use_verify else seg.decode_segment
     res = rnd(nq, HID, scale=1.0)
     gam = (1 + rnd(HID, scale=0.1).float()).to(torch.bfloat16)
     xin = rnd(nq, HID, scale=1.0)
     ss_in = torch.full((nq, 64), 64.0, device=dev)
     q_alone = rnd(nq, HQ, D, scale=1.0)
-    if nq > 1 and args.variants == ap.get_default("variants"):
+    if use_verify and args.variants == ap.get_default("variants"):
         args.variants = ["8:0", "8:1", "10:0"]
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
-    if nq > 1:
+    if use_verify:
         variants = [(a, bool(b)) for a, b in variants]
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
@@ -145,7 +148,7 @@ def main() -> None:
         for v in variants:
             alone = _graph_us(lambda: [fused(i, q_alone, v) for i in range(nl)], nl)
             inlayer = _graph_us(layer_chain(seg_fused(v)), nl)
-            say(f"| one launch, {'RS:RREG' if nq == 1 else 'NST:PREF'} {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
+            say(f"| one launch, {'NST:PREF' if use_verify else 'RS:RREG'} {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
             # the phases inside the graph: every layer's blocks stamp their phases
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
                                                 for i in range(nl)]),
