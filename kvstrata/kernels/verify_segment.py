@@ -103,6 +103,15 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     const int lo = sidx * TS, hi = min(lo + TS, L);
     const int np = hi > lo ? (hi - lo + 15) / 16 : 0;
     STAMP(0)
+    // the epilogue's inputs for this thread's (row, token) items, read now
+    float rres[2], rgam[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int o2 = tid + k * NT, r = o2 >> 4, t = o2 & 15;
+        const bool ok = o2 < 16 * MT * 16 && t < T;
+        rres[k] = ok ? bf(res[(size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r]) : 0.f;
+        rgam[k] = ok ? bf(gam[c * 16 * MT + r]) : 0.f;
+    }
     if (tid == 0) {
         for (int i = 0; i < NST; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, GROUP); }
         mbar_init(wbar, 1);
@@ -116,32 +125,38 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     const int r0 = lane >> 2, qd = lane & 3;
 
     if (warp == NW) {
-        // 1. the producer: pages into the ring, the weight rows spread over the later pages
-        if (lane == 0) {
-            const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
-            mbar_expect(wbar, 16 * K_IN * 2);
-            const int fill = min(np, NST);
-            const int at_fill = max(0, 16 - (np - fill));
-            int issued = 0;
-            const int page_rows = nlayers * 2 * NKV * 16;
-            const int row0 = (layer * 2 * NKV + h) * 16;
-            for (int i = 0; i < np; ++i) {
-                const int st = i %% NST;
+        // 1. the producer warp: pages into the ring (their ids read 32 at a time, one per
+        // lane), the weight rows spread over the later pages; lane 0 issues the copies
+        const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
+        if (lane == 0) mbar_expect(wbar, 16 * K_IN * 2);
+        const int fill = min(np, NST);
+        const int at_fill = max(0, 16 - (np - fill));
+        int issued = 0;
+        const int page_rows = nlayers * 2 * NKV * 16;
+        const int row0 = (layer * 2 * NKV + h) * 16;
+        int btl = 0;
+        for (int i = 0; i < np; ++i) {
+            if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
+            const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
+            const int st = i %% NST;
+            const int want = i < fill - 1 ? 0 : (i == fill - 1 ? at_fill : issued + 1);
+            if (lane == 0) {
                 if (i >= NST) mbar_wait(empty + st, ((i / NST) - 1) & 1);
-                const int y = bt[lo / 16 + i] * page_rows + row0;
                 const u32 dst = sa(ring) + st * 8192;
                 mbar_expect(full + st, 8192);
                 tensor_copy(dst, &kvmap, 0, y, full + st);
                 tensor_copy(dst + 2048, &kvmap, 64, y, full + st);
                 tensor_copy(dst + 4096, &kvmap, 0, y + NKV * 16, full + st);
                 tensor_copy(dst + 6144, &kvmap, 64, y + NKV * 16, full + st);
-                const int want = i < fill - 1 ? 0 : (i == fill - 1 ? at_fill : issued + 1);
-                for (; issued < min(want, 16); ++issued)
-                    bulk_copy(sa(wsm) + issued * WP, wrow + (size_t)issued * K_IN, K_IN * 2, wbar);
+                for (int r = issued; r < min(want, 16); ++r)
+                    bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
             }
-            for (; issued < 16; ++issued)
-                bulk_copy(sa(wsm) + issued * WP, wrow + (size_t)issued * K_IN, K_IN * 2, wbar);
+            issued = max(issued, min(want, 16));
+            __syncwarp();
         }
+        if (lane == 0)
+            for (int r = issued; r < 16; ++r)
+                bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
     } else {
         // 2. one query head's 16 rows over every WPM-th page of the split
         const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
@@ -244,26 +259,37 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         }
     }
     __syncthreads();
-    // the split's partial of each (token, head): the WPM warps of the head merged
-    for (int o2 = tid; o2 < GROUP * 16 * 128; o2 += NT) {
-        const int g = o2 / 2048, t = (o2 >> 7) & 15, d = o2 & 127;
-        if (t >= nq) continue;
-        float M = NEG_INF;
+    // the split's partial of each (token, head): the WPM warps of the head merged, their
+    // weights per (head, token) first
+    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPM]
+    float* lsev = fac + GROUP * 16 * WPM;                    // [GROUP * 16]
+    if (tid < GROUP * 16) {
+        const int g = tid >> 4, t = tid & 15;
+        float M = NEG_INF, sum = 0.f;
 #pragma unroll
         for (int p = 0; p < WPM; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
-        float sum = 0.f, val = 0.f;
-        if (M != NEG_INF) {
 #pragma unroll
-            for (int p = 0; p < WPM; ++p) {
-                const int w = g + p * GROUP;
-                const float e = exp2f(red_m[w * 16 + t] - M);
-                sum += red_l[w * 16 + t] * e;
-                val += ((float*)ring)[(w * 16 + t) * 128 + d] * e;
-            }
+        for (int p = 0; p < WPM; ++p) {
+            const int w = g + p * GROUP;
+            const float e = M == NEG_INF ? 0.f : exp2f(red_m[w * 16 + t] - M);
+            fac[tid * WPM + p] = e;
+            sum += red_l[w * 16 + t] * e;
         }
+#pragma unroll
+        for (int p = 0; p < WPM; ++p) fac[tid * WPM + p] = sum > 0.f ? fac[tid * WPM + p] / sum : 0.f;
+        lsev[tid] = sum > 0.f ? M + log2f(sum) : NEG_INF;
+    }
+    __syncthreads();
+    for (int o2 = tid; o2 < GROUP * 16 * 128; o2 += NT) {
+        const int g = o2 >> 11, t = (o2 >> 7) & 15, d = o2 & 127;
+        if (t >= nq) continue;
+        float val = 0.f;
+#pragma unroll
+        for (int p = 0; p < WPM; ++p)
+            val += ((float*)ring)[((g + p * GROUP) * 16 + t) * 128 + d] * fac[(g * 16 + t) * WPM + p];
         const int row = (sidx * 16 + t) * HQ + h * GROUP + g;
-        part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
-        if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
+        part_o[(size_t)row * 128 + d] = val;
+        if (d == 0) part_lse[row] = lsev[g * 16 + t];
     }
     STAMP(1)
 
@@ -373,18 +399,20 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     STAMP(5)
     // the warps' sums in a fixed order; rounded as gemv_add_norm rounds: the product,
     // h = residual + product, g * h, and each token's sum of squares over this block's rows
-    for (int o2 = tid; o2 < 16 * MT * 16; o2 += NT) {
-        const int r = o2 >> 4, t = o2 & 15;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        const int o2 = tid + k * NT, r = o2 >> 4, t = o2 & 15;
+        if (o2 >= 16 * MT * 16) break;
         float v = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
         float hf = 0.f;
         if (t < T) {
-            const int n = c * 16 * MT + r;
-            const bf16_t hn = to_bf(bf(res[(size_t)t * (BLOCKS * 16 * MT) + n]) + bf(to_bf(v)));
-            hout[(size_t)t * (BLOCKS * 16 * MT) + n] = hn;
+            const size_t at = (size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r;
+            const bf16_t hn = to_bf(rres[k] + bf(to_bf(v)));
+            hout[at] = hn;
             hf = bf(hn);
-            out[(size_t)t * (BLOCKS * 16 * MT) + n] = to_bf(bf(gam[n]) * hf);
+            out[at] = to_bf(rgam[k] * hf);
         }
         sq[t * 16 * MT + r] = hf * hf;
     }
@@ -410,10 +438,11 @@ def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
     """Dynamic shared memory: 1 KB of alignment slack, the ring, 16 weight rows (16-byte pad),
-    the mbarriers, the warps' row maxima and sums, the squares of the epilogue."""
+    the mbarriers, the warps' row maxima and sums, the squares of the epilogue, the merge's
+    weights."""
     mt = n_out // (BLOCKS * 16)
     return (1024 + stages * 8192 + 16 * (k_in * 2 + 16) + (2 * stages + 1) * 8
-            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4)
+            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
 
 
 @functools.lru_cache(maxsize=None)
