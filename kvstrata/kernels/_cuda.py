@@ -116,26 +116,18 @@ __device__ __forceinline__ void tensor_copy(u32 dst, const TMap* map, int x, int
                  " [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(sa(bar)) : "memory");
 }
-// ldmatrix and mma are not volatile, so the compiler may interleave them: a caller keeps them
-// after the wait that makes the shared memory valid (an address from an opaque copy, opaque())
-// and before the release of that memory (fence_values() on their results).
-__device__ __forceinline__ u32 opaque(u32 v) {
-    u32 r;
-    asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
-    return r;
-}
 __device__ __forceinline__ void ldsm4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm4_t(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
 }
 // d += a (16 x 16, row) * b (16 x 8, col): bf16 in, float32 accumulators
 __device__ __forceinline__ void mma_bf16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
                  "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));

@@ -175,7 +175,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
-            const u32 sb = opaque(sa(ring) + st * 8192);   // no shared load above the wait
+            const u32 sb = sa(ring) + st * 8192;
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
@@ -236,11 +236,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 mma_bf16(o[2 * u], pa0, pa1, pa2, pa3, v0 & keep0, v1 & keep1);
                 mma_bf16(o[2 * u + 1], pa0, pa1, pa2, pa3, v2 & keep0, v3 & keep1);
             }
-            // every load of the stage done (their products feed o) before its release
-            asm volatile("" :: "f"(o[0][0]), "f"(o[1][0]), "f"(o[2][0]), "f"(o[3][0]),
-                         "f"(o[4][0]), "f"(o[5][0]), "f"(o[6][0]), "f"(o[7][0]),
-                         "f"(o[8][0]), "f"(o[9][0]), "f"(o[10][0]), "f"(o[11][0]),
-                         "f"(o[12][0]), "f"(o[13][0]), "f"(o[14][0]), "f"(o[15][0]));
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
