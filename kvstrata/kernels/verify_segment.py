@@ -1,9 +1,9 @@
 """Batch-1 verify: attention of 2-16 query tokens and the o_proj product in one persistent launch
 (Hopper, CUDA C++ with tensor-core ``mma``).
 
-A batch-1 verify step (the target's forward over the last token and the drafts) spends ~27 us
-per layer at 1k in attention, the merge of its splits and o_proj, three launches that each wait
-for the previous one (docs/benchmarks.md, sixteenth runner session). :func:`verify_segment`
+A batch-1 verify-16 step (the target's forward over the last token and the drafts) spends ~27
+us per layer at 1k in attention, the merge of its splits and o_proj, three launches that each
+wait for the previous one (H200, docs/benchmarks.md, sixteenth runner session). :func:`verify_segment`
 runs them as one launch of 128 blocks, one per SM, all resident (a cooperative launch), the
 batch-1 decode segment's plan (:mod:`.decode_segment`) with matrix products:
 
@@ -26,7 +26,10 @@ No float atomics, fixed summation orders: graph replay equals eager bit for bit.
 differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
 tests bound it). :func:`verify_segment_ok` says where it applies (sm_90, >= 128 SMs, one
 sequence, 2-16 causal queries, a bf16 page-major pool of 16-token pages and 128-dim heads, no
-sliding window or o_proj bias, shapes below); ``KVSTRATA_VERIFY_SEGMENT=0`` turns it off.
+sliding window or o_proj bias, shapes below) when ``KVSTRATA_VERIFY_SEGMENT=1``. It is off by
+default: measured in the step (sixteenth runner session) it shortens the verify-16 graph at 1k
+(4.74 -> 4.60 ms) but its attention phase is slower than the Triton kernel's at 8k (22.5 us
+against ~16 per layer), and the speculative step at 8k lengthens (5.99 -> 6.11 ms).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from ._cuda import BLOCKS, PRELUDE, Kernel, device_ok, grid_counter, tensor_map_
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
-#: ``KVSTRATA_VERIFY_SEGMENT=0`` keeps batch-1 verify on the Triton attention + merge +
-#: ``gemv_add_norm`` launches.
+#: ``KVSTRATA_VERIFY_SEGMENT=1`` puts batch-1 verify on this kernel where it applies (default
+#: ``0``: the Triton attention + merge + ``gemv_add_norm`` launches).
 SEGMENT_ENV = "KVSTRATA_VERIFY_SEGMENT"
 WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
@@ -457,7 +460,7 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
                       bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
                       ) -> bool:
     """Whether :func:`verify_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
-    >= 128 SMs (and ``KVSTRATA_VERIFY_SEGMENT=1``: off until its GPU tests pass) for the shapes
+    >= 128 SMs with ``KVSTRATA_VERIFY_SEGMENT=1`` (off by default, see the module) for the shapes
     :func:`segment_shapes_ok` takes."""
     if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, "0") == "0":
         return False
