@@ -19,9 +19,10 @@ both as one launch of 128 blocks, one per SM, all resident (a cooperative launch
    ``h = residual + product`` (bf16), ``norm_weight * h`` and each block's sum of squares of
    ``h`` (the next product's :class:`~.gemv.RowRms`).
 
-The grid barriers count on one int32 per (device, stream) that only grows (128 arrivals per barrier, and
-2**32 is a multiple of 128), so CUDA-graph replays need no reset. Sums run in a fixed order and
-no float atomics are used: a launch is deterministic, so graph replay equals eager bit for bit.
+The grid barriers count on one int32 per (device, stream) that only grows (128 arrivals per
+barrier, and 2**32 is a multiple of 128), so CUDA-graph replays need no reset. Sums run in a
+fixed order and no float atomics are used: a launch is deterministic, so graph replay equals
+eager bit for bit.
 The values differ from the Triton attention + ``gemv_add_norm`` path only by summation order
 (the CUDA tests bound it).
 
