@@ -47,8 +47,8 @@ def main() -> None:
                     "into registers after the first grid barrier)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
-                    "kernels.verify_segment (variants NST:PREF[:PPI]: ring stages, the L2 prefetch "
-                    "of the weight rows not in shared memory, pages per attention iteration)")
+                    "kernels.verify_segment (variants NST:PREF: ring stages, the L2 prefetch of "
+                    "the weight rows not in shared memory)")
     ap.add_argument("--lib", choices=["decode", "verify"], default=None,
                     help="the kernel (default: decode_segment for 1 query, else verify_segment)")
     ap.add_argument("--layers", type=int, default=LAYERS)
@@ -84,8 +84,8 @@ def main() -> None:
     if use_verify and args.variants == ap.get_default("variants"):
         args.variants = ["8:0", "8:1", "10:0"]
     variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
-    if use_verify:   # NST:PREF[:PPI]
-        variants = [(v[0], bool(v[1]), v[2] if len(v) > 2 else 1) for v in variants]
+    if use_verify:
+        variants = [(a, bool(b)) for a, b in variants]
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE
@@ -148,7 +148,7 @@ def main() -> None:
         for v in variants:
             alone = _graph_us(lambda: [fused(i, q_alone, v) for i in range(nl)], nl)
             inlayer = _graph_us(layer_chain(seg_fused(v)), nl)
-            knobs = "NST:PREF:PPI" if use_verify else "RS:RREG"
+            knobs = "NST:PREF" if use_verify else "RS:RREG"
             say(f"| one launch, {knobs} {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
             # the phases inside the graph: every layer's blocks stamp their phases
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
