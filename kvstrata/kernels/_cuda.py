@@ -6,14 +6,18 @@ the driver (``cuLaunchCooperativeKernel``, which CUDA-graph capture records like
 This module holds the device helpers their sources start with (:data:`PRELUDE`: bf16 bits,
 loads through L2, the grid barrier, mbarriers, bulk and tensor copies, ``ldmatrix`` and the
 bf16 ``mma``), the launcher (:class:`Kernel`), the grid barriers' counters
-(:func:`grid_counter`), Hopper tensor maps (:func:`tensor_map_2d`) and the device check
-(:func:`device_ok`).
+(:func:`grid_counter`), Hopper tensor maps (:func:`tensor_map_2d`), the device check
+(:func:`device_ok`) and the gate both segments' ``*_ok`` functions start with (:func:`enabled`,
+:func:`compiles`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
+import warnings
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -182,6 +186,24 @@ def device_ok(device: torch.device) -> bool:
     p = torch.cuda.get_device_properties(device)
     return (p.major == 9 and p.multi_processor_count >= BLOCKS
             and hasattr(torch.cuda, "_compile_kernel"))
+
+
+def enabled(impl: str, device: torch.device, env: str, default: str) -> bool:
+    """Whether a segment may serve: ``impl="auto"`` on a :func:`device_ok` GPU, and the
+    switch ``env`` (``default`` when unset) not ``0``."""
+    return (impl == "auto" and device.type == "cuda" and os.environ.get(env, default) != "0"
+            and device_ok(device))
+
+
+def compiles(build: Callable[[], object], what: str, fallback: str) -> bool:
+    """Runs ``build`` (a kernel's compile, before any graph capture needs it); a failure
+    (NVRTC or the driver refused) warns ``what (error); fallback`` and returns False."""
+    try:
+        build()
+        return True
+    except Exception as e:   # noqa: BLE001 - the Triton path serves instead
+        warnings.warn(f"{what} ({e}); {fallback}", RuntimeWarning, stacklevel=3)
+        return False
 
 
 #: CUtensorMap enums (cuda.h)

@@ -38,13 +38,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
-import warnings
 
 import torch
 from torch import Tensor
 
-from ._cuda import BLOCKS, PRELUDE, Kernel, device_ok, grid_counter, tensor_map_2d
+from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter,
+                    tensor_map_2d)
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -466,10 +465,8 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
     """Whether :func:`verify_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
     >= 128 SMs with ``KVSTRATA_VERIFY_SEGMENT=1`` (off by default, see the module) for the shapes
     :func:`segment_shapes_ok` takes."""
-    if impl != "auto" or q.device.type != "cuda" or os.environ.get(SEGMENT_ENV, "0") == "0":
-        return False
-    if not (segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)
-            and device_ok(q.device)):
+    if not (enabled(impl, q.device, SEGMENT_ENV, "0")
+            and segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
     return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
@@ -479,14 +476,10 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    try:
-        _kernel(device, nkv, group, k_in, n_out, STAGES, False, False)
-        return True
-    except Exception as e:   # noqa: BLE001 - NVRTC or driver refused: the Triton path serves
-        warnings.warn(f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, "
-                      f"o_proj [{n_out}, {k_in}] on {device} ({e}); batch-1 verify keeps the "
-                      "Triton attention + o_proj launches", RuntimeWarning, stacklevel=2)
-        return False
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, STAGES, False, False),
+                    f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, o_proj "
+                    f"[{n_out}, {k_in}] on {device}",
+                    "batch-1 verify keeps the Triton attention + o_proj launches")
 
 
 def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
