@@ -42,13 +42,13 @@ EPS, SCALE = 1e-6, D ** -0.5
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
-    ap.add_argument("--variants", nargs="+", default=["16:0", "16:1", "24:0", "8:0"],
-                    help="RS:RREG (o_proj rows per block in shared memory; 1: the other rows "
-                    "into registers after the first grid barrier)")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="the kernel's switches, colon-separated, missing ones as shipped: "
+                    "decode_segment RS:RREG:KPF:WPF, verify_segment NST:PREF:LAZY:CHAINS:KPF "
+                    "(the kernels' source() documents them)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
-                    "kernels.verify_segment (variants NST:PREF: ring stages, the L2 prefetch of "
-                    "the weight rows not in shared memory)")
+                    "kernels.verify_segment")
     ap.add_argument("--lib", choices=["decode", "verify"], default=None,
                     help="the kernel (default: decode_segment for 1 query, else verify_segment)")
     ap.add_argument("--layers", type=int, default=LAYERS)
@@ -81,11 +81,15 @@ def main() -> None:
     xin = rnd(nq, HID, scale=1.0)
     ss_in = torch.full((nq, 64), 64.0, device=dev)
     q_alone = rnd(nq, HQ, D, scale=1.0)
-    if use_verify and args.variants == ap.get_default("variants"):
-        args.variants = ["8:0", "8:1", "10:0"]
-    variants = [tuple(int(x) for x in v.split(":")) for v in args.variants]
-    if use_verify:
-        variants = [(a, bool(b)) for a, b in variants]
+    shipped_v = (vseg if use_verify else seg).VARIANT
+    if args.variants is None:
+        args.variants = (["8:0:1", "8:0:0:1", "8:0:1:1", "8:0:1:1:1"] if use_verify else
+                         ["16:0:1", "16:0:2", "16:0:0:1", "16:0:0:2", "16:0:1:1"])
+    variants = []
+    for v in args.variants:
+        given = tuple(int(x) for x in v.split(":"))
+        variants.append(given + tuple(shipped_v[len(given):]))
+    knobs = "NST:PREF:LAZY:CHAINS:KPF" if use_verify else "RS:RREG:KPF:WPF"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE
@@ -148,7 +152,6 @@ def main() -> None:
         for v in variants:
             alone = _graph_us(lambda: [fused(i, q_alone, v) for i in range(nl)], nl)
             inlayer = _graph_us(layer_chain(seg_fused(v)), nl)
-            knobs = "NST:PREF" if use_verify else "RS:RREG"
             say(f"| one launch, {knobs} {v}, timestamps on | {alone:.1f} | {inlayer:.1f} |")
             # the phases inside the graph: every layer's blocks stamp their phases
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
@@ -165,7 +168,7 @@ def main() -> None:
         say("Phases in the graph (us from the layer's first block start, median / last block, "
             "median over the middle half of the layers):")
         say("")
-        say("| RS:RREG or NST:PREF | start | partial stored | barrier 1 (+ RREG loads or the "
+        say(f"| {knobs} | start | partial stored | barrier 1 (+ RREG loads or the "
             "prefetch issued) | merged | barrier 2 | x + weights ready (decode) or products "
             "summed (verify) | end |")
         say("|---|---|---|---|---|---|---|---|")

@@ -114,11 +114,20 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 n, u64* 
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1], %2, [%3];" :: "r"(dst), "l"(src), "r"(n), "r"(sa(bar)) : "memory");
 }
+// n bytes (a multiple of 16, 16-byte aligned) global -> L2, nothing waits on it
+__device__ __forceinline__ void l2_prefetch(const void* src, u32 n) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(n) : "memory");
+}
 // one box of a 2-D tensor map at (x: inner, y: row) -> shared, completing on bar
 __device__ __forceinline__ void tensor_copy(u32 dst, const TMap* map, int x, int y, u64* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
                  " [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(sa(bar)) : "memory");
+}
+// one box of a 2-D tensor map at (x, y) -> L2, nothing waits on it
+__device__ __forceinline__ void tensor_prefetch(const TMap* map, int x, int y) {
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
+                 :: "l"((u64)map), "r"(x), "r"(y) : "memory");
 }
 __device__ __forceinline__ void ldsm4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"

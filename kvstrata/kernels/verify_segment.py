@@ -54,6 +54,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
+#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf``
+VARIANT = (STAGES, 0, 0, 0, 0)
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
@@ -66,6 +68,9 @@ _SOURCE = r"""
 #define MT %(mt)d
 #define NST %(nst)d
 #define PREF %(pref)d
+#define LAZY %(lazy)d
+#define CHAINS %(chains)d
+#define KPF %(kpf)d
 #define STAMPS %(stamps)d
 #define BLOCKS %(blocks)d
 #define NW 8
@@ -138,6 +143,16 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
+#if KPF
+        // the split's first 64 pages into L2 now, one or two per lane
+        for (int i = lane; i < min(np, 64); i += 32) {
+            const int y = bt[lo / 16 + i] * page_rows + row0;
+            tensor_prefetch(&kvmap, 0, y);
+            tensor_prefetch(&kvmap, 64, y);
+            tensor_prefetch(&kvmap, 0, y + NKV * 16);
+            tensor_prefetch(&kvmap, 64, y + NKV * 16);
+        }
+#endif
         for (int i = 0; i < np; ++i) {
             if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
             const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
@@ -180,6 +195,10 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             mbar_wait(full + st, (i / NST) & 1);
             const u32 sb = sa(ring) + st * 8192;
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#if CHAINS
+            // odd k-steps into a second pair of accumulators: four chains of 4 mma
+            float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#endif
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
                 const int tok = (lane >> 4) * 8 + (lane & 7);
@@ -187,9 +206,20 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 u32 b0, b1, b2, b3;
                 ldsm4(sb + (ks >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
                       b0, b1, b2, b3);
-                mma_bf16(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-                mma_bf16(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
+#if CHAINS
+                float (&sd)[2][4] = (ks & 1) ? s2 : s;
+#else
+                float (&sd)[2][4] = s;
+#endif
+                mma_bf16(sd[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+                mma_bf16(sd[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
             }
+#if CHAINS
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+#endif
             const int k0 = lo + i * 16;
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
@@ -219,6 +249,10 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 }
             l0 = l0 * al0 + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
             l1 = l1 * al1 + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+#if LAZY
+            // a maximum that did not move leaves the accumulators as they are (x 1.0)
+            if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f))
+#endif
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
                 o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
@@ -434,12 +468,17 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: bool = False, stamps: bool = False) -> str:
+           pref: int = 0, lazy: int = 0, chains: int = 0, kpf: int = 0,
+           stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
-    in shared memory after the first barrier; ``stamps``: per-block phase timestamps)."""
+    in shared memory after the first barrier; ``lazy``: the accumulators rescaled only where a
+    row maximum moved; ``chains``: ``QK^T`` in four chains of 4 ``mma`` instead of two of 8;
+    ``kpf``: the split's pages into L2 at the start; ``stamps``: per-block phase
+    timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "stamps": int(stamps)}
+                      "blocks": BLOCKS, "pref": int(pref), "lazy": int(lazy),
+                      "chains": int(chains), "kpf": int(kpf), "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -453,9 +492,10 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: bool, stamps: bool) -> Kernel:
+            pref: int, lazy: int, chains: int, kpf: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, stamps), "verify_segment",
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, stamps),
+                      "verify_segment",
                       smem_bytes(k_in, n_out, stages), THREADS)
 
 
@@ -476,7 +516,7 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, STAGES, False, False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *VARIANT, False),
                     f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 verify keeps the Triton attention + o_proj launches")
@@ -511,14 +551,14 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, _variant: tuple[int, bool] = (STAGES, False),
+                   eps: float, _variant: tuple[int, ...] = VARIANT,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(T, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`verify_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (ring stages, the L2 prefetch) and ``_stamps`` (int64, ``BLOCKS * 8``:
+    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf``) and ``_stamps`` (int64, ``BLOCKS * 8``:
     per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     t, hq, hkv = q.shape[0], q.shape[1], kv_cache.shape[3]
