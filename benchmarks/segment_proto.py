@@ -51,6 +51,9 @@ def main() -> None:
                     "kernels.verify_segment")
     ap.add_argument("--lib", choices=["decode", "verify"], default=None,
                     help="the kernel (default: decode_segment for 1 query, else verify_segment)")
+    ap.add_argument("--launches", type=int, default=0,
+                    help="for a profiler (ncu -k regex:segment): only launch each variant this "
+                    "many times per context, eagerly, and time nothing")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -119,6 +122,13 @@ def main() -> None:
             return lib(q, kv, layer, meta, sm_scale=SCALE, weight=wo[layer], residual=res,
                        norm_weight=gam, eps=EPS)
 
+        if args.launches:
+            for v in variants:
+                for _ in range(args.launches):
+                    lib(q_alone, kv, 3, meta, sm_scale=SCALE, weight=wo[3], residual=res,
+                        norm_weight=gam, eps=EPS, _variant=v)
+            torch.cuda.synchronize()
+            continue
         # correctness: layer 3, against the Triton path
         want_o, want_h, want_r = shipped(3, q_alone)
         for v in variants:
