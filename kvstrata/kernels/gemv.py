@@ -20,8 +20,6 @@ epilogue and leaves the norm's row scale (:class:`RowRms`) to the next product's
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +89,7 @@ if triton is not None:
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
                      RMS_IN: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
-                     BALANCED: tl.constexpr):
+                     LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr):
         # K is a multiple of BLOCK_K (the wrapper checks); rows past M and columns past N are
         # masked. Program i reads weight rows i * BLOCK_N ... (and, GATED, the up rows N + ...)
         # whole, in column order. The loop holds only loads and products: element-wise work
@@ -103,18 +100,11 @@ if triton is not None:
         # (ss_out [M, programs]) and g * h as the output: the next RMSNorm but its row scale.
         # RMS_IN (the consumer): x is g * h, and the accumulator is scaled by rsqrt(sum of the
         # parts_in sums / K + eps) per row, so the loop stays loads and products.
-        # BALANCED (not ADD_NORM): program i takes rows i N / P .. (i + 1) N / P of the P
-        # programs (at most BLOCK_N each), so every SM streams as many rows (see _grid)
         pid = tl.program_id(0)
-        if BALANCED:
-            lo = pid * N // tl.num_programs(0)
-            n = lo + tl.arange(0, BLOCK_N)
-            n_ok = n < (pid + 1) * N // tl.num_programs(0)
-        else:
-            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < N
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
+        n_ok = n < N
         m_ok = m < M
         x_rows = x_ptr + m[:, None].to(tl.int64) * s_xm
         w_rows = w_ptr + n[:, None].to(tl.int64) * s_wn
@@ -217,36 +207,6 @@ def _launch(weight: Tensor, k: int, launch: GemvLaunch | None, gated: bool = Fal
     return dataclasses.replace(lt, block_k=bk) if k % bk == 0 else None
 
 
-#: ``KVSTRATA_GEMV_BALANCED=0``: one program per ``block_n`` rows everywhere (the programs'
-#: count not rounded up to whole waves of the GPU's SMs, see :func:`_grid`)
-BALANCED_ENV = "KVSTRATA_GEMV_BALANCED"
-#: the "SM count" the balanced grid uses off CUDA (the interpreter's tests set it; 0: off)
-_CPU_SMS = 0
-
-
-def _sms(device: torch.device) -> int:
-    return _cuda_sms(device) if device.type == "cuda" else _CPU_SMS
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _grid(n: int, block_n: int, device: torch.device, add_norm: bool) -> tuple[int, bool]:
-    """Programs of a launch over ``n`` rows and whether they split the rows evenly: a product
-    of at least half a wave of ``block_n``-row programs (not :func:`gemv_add_norm`, whose
-    sums of squares are per ``block_n`` columns) runs whole waves, one more program per SM
-    where the count falls short (q/k/v of Qwen3-8B: 96 programs of 64 rows on 132 SMs
-    become 132 of 46-47), each row's sum the same as before. Measured: docs/benchmarks.md,
-    seventeenth runner session."""
-    grid = triton.cdiv(n, block_n)
-    sms = _sms(device) if os.environ.get(BALANCED_ENV, "1") != "0" else 0
-    if add_norm or sms <= 0 or 2 * grid < sms or grid % sms == 0:
-        return grid, False
-    return triton.cdiv(grid, sms) * sms, True
-
-
 @dataclass(frozen=True)
 class RowRms:
     """The row scale of an RMSNorm left to the next product: ``parts [M, P]`` float32 sums
@@ -322,7 +282,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         parts = h.float().square().sum(1, keepdim=True)
         return (g.float() * h.float()).to(x.dtype), h, RowRms(parts, N, eps)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    grid, balanced = _grid(N, lt.block_n, x.device, add_norm is not None)
+    grid = triton.cdiv(N, lt.block_n)
     if add_norm is not None:
         residual, g, eps = add_norm
         h = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -342,7 +302,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n, BLOCK_K=lt.block_k, STAGES=lt.stages,
         LATE_TRIGGER=lt.late_trigger and add_norm is not None,
         UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=lt.warps,
-        BALANCED=balanced, **pdl_launch(x.device, "gemv"))
+        **pdl_launch(x.device, "gemv"))
     if add_norm is not None:
         return out, h, RowRms(ss_out, N, eps)
     return out

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.kernels import _device
-from kvstrata.kernels import gemv as gemv_mod
 from kvstrata.kernels.gemv import (GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm, gemv_launch,
                                   gemv_ok)
 from kvstrata.kernels.layer_ops import add_rms_norm, silu_mul_merged
@@ -220,38 +219,3 @@ def test_pdl_switch(monkeypatch):
     assert _device._pdl_families("gemv, attn") == {"gemv", "attn"}
     with pytest.raises(ValueError, match="unknown families"):
         _device._pdl_families("gemv,fast")
-
-
-@pytest.mark.parametrize("gated,rms", [(False, False), (True, True)])
-def test_interpreter_balanced_grid_is_the_same_bits(gated, rms, monkeypatch):
-    """Rows spread evenly over whole waves of programs (here 5 "SMs": 70 rows in 3 tiles of
-    32 become 5 programs of 14) give every row the same sum, bit for bit; gemv_add_norm keeps
-    one program per tile (its sums of squares are per tile)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
-    x, w = _operands(5, 140 if gated else 70, 192, torch.float16, seed=3)
-    r = RowRms(torch.rand(5, 3) + 1, 192, 1e-6) if rms else None
-    plain = _gemv(x, w, None, SMALL, impl="triton", gated=gated, rms=r)
-    monkeypatch.setattr(gemv_mod, "_CPU_SMS", 5)
-    assert gemv_mod._grid(70, 32, x.device, False) == (5, True)
-    assert gemv_mod._grid(70, 32, x.device, True) == (3, False)
-    assert gemv_mod._grid(70, 16, x.device, False) == (5, False)         # a whole wave already
-    assert gemv_mod._grid(20, 16, x.device, False) == (2, False)         # under half a wave
-    assert torch.equal(_gemv(x, w, None, SMALL, impl="triton", gated=gated, rms=r), plain)
-    monkeypatch.setenv(gemv_mod.BALANCED_ENV, "0")
-    assert gemv_mod._grid(70, 32, x.device, False) == (3, False)
-
-
-@cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16])
-def test_cuda_balanced_grid_is_the_same_bits(m, monkeypatch):
-    """Qwen3-8B's q/k/v and gate/up products on whole waves of SMs equal one program per tile
-    bit for bit."""
-    x, w = (t.cuda() for t in _operands(m, 6144, 4096, torch.bfloat16, seed=m))
-    xg, wg = (t.cuda() for t in _operands(m, 2 * 12288, 4096, torch.bfloat16, seed=m + 1))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert gemv_mod._grid(6144, 64, x.device, False) == (-(-96 // sms) * sms, 96 % sms != 0)
-    on, on_g = gemv(x, w), gemv(xg, wg, gated=True)
-    monkeypatch.setenv(gemv_mod.BALANCED_ENV, "0")
-    assert torch.equal(on, gemv(x, w)) and torch.equal(on_g, gemv(xg, wg, gated=True))
