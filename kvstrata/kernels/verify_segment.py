@@ -54,8 +54,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf``
-VARIANT = (STAGES, 0, 0, 0, 0)
+#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf, ppi``
+VARIANT = (STAGES, 0, 0, 0, 0, 1)
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
@@ -71,6 +71,7 @@ _SOURCE = r"""
 #define LAZY %(lazy)d
 #define CHAINS %(chains)d
 #define KPF %(kpf)d
+#define PPI %(ppi)d
 #define STAMPS %(stamps)d
 #define BLOCKS %(blocks)d
 #define NW 8
@@ -190,6 +191,107 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             qa[s][3] = r0 + 8 < nq ? *(const u32*)(q1 + 8) : 0u;
         }
         const int qp0 = L - nq + r0, qp1 = qp0 + 8;
+#if PPI > 1
+        // PPI pages per iteration (pages i, i + WPM, ...): their chains are independent, and
+        // one maximum, one rescale per iteration; a page past the split reads another stage
+        // (fully masked: -inf scores, zeroed V) so the loop body has no branches
+        for (int i = par; i < np; i += WPM * PPI) {
+            float s[PPI][2][4];
+            u32 sb[PPI];
+#pragma unroll
+            for (int pp = 0; pp < PPI; ++pp) {
+                const int ii = i + pp * WPM;
+                const int st = (ii < np ? ii : i) %% NST;
+                if (ii < np) mbar_wait(full + st, (ii / NST) & 1);
+                sb[pp] = sa(ring) + st * 8192;
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+                    s[pp][j][0] = s[pp][j][1] = s[pp][j][2] = s[pp][j][3] = 0.f;
+            }
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks)
+#pragma unroll
+                for (int pp = 0; pp < PPI; ++pp) {
+                    const int tok = (lane >> 4) * 8 + (lane & 7);
+                    const int ch = 2 * (ks & 3) + ((lane >> 3) & 1);
+                    u32 b0, b1, b2, b3;
+                    ldsm4(sb[pp] + (ks >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
+                          b0, b1, b2, b3);
+                    mma_bf16(s[pp][0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+                    mma_bf16(s[pp][1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
+                }
+            float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+            for (int pp = 0; pp < PPI; ++pp)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int kp = lo + (i + pp * WPM) * 16 + 8 * j + 2 * qd + e;
+                        s[pp][j][e] = kp <= qp0 && kp < hi ? s[pp][j][e] * qk_scale : NEG_INF;
+                        s[pp][j][2 + e] = kp <= qp1 && kp < hi ? s[pp][j][2 + e] * qk_scale
+                                                               : NEG_INF;
+                        mx0 = fmaxf(mx0, s[pp][j][e]);
+                        mx1 = fmaxf(mx1, s[pp][j][2 + e]);
+                    }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
+            const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
+            m0 = n0; m1 = n1;
+            l0 *= al0;
+            l1 *= al1;
+#pragma unroll
+            for (int pp = 0; pp < PPI; ++pp) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        s[pp][j][e] = exp2f(s[pp][j][e] - z0);
+                        s[pp][j][2 + e] = exp2f(s[pp][j][2 + e] - z1);
+                    }
+                l0 = l0 + (s[pp][0][0] + s[pp][0][1]) + (s[pp][1][0] + s[pp][1][1]);
+                l1 = l1 + (s[pp][0][2] + s[pp][0][3]) + (s[pp][1][2] + s[pp][1][3]);
+            }
+#if LAZY
+            if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f))
+#endif
+#pragma unroll
+            for (int n = 0; n < 16; ++n) {
+                o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+            }
+#pragma unroll
+            for (int pp = 0; pp < PPI; ++pp) {
+                const u32 pa0 = pack_bf(s[pp][0][0], s[pp][0][1]);
+                const u32 pa1 = pack_bf(s[pp][0][2], s[pp][0][3]);
+                const u32 pa2 = pack_bf(s[pp][1][0], s[pp][1][1]);
+                const u32 pa3 = pack_bf(s[pp][1][2], s[pp][1][3]);
+                // V rows past the split (the sequence's last page) may hold anything: zeroed
+                const int kv0 = lo + (i + pp * WPM) * 16 + 2 * qd;
+                const u32 keep0 = (kv0 < hi ? 0xffffu : 0u) | (kv0 + 1 < hi ? 0xffff0000u : 0u);
+                const u32 keep1 = (kv0 + 8 < hi ? 0xffffu : 0u)
+                                  | (kv0 + 9 < hi ? 0xffff0000u : 0u);
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int mi = lane >> 3;
+                    const int tok = (mi & 1) * 8 + (lane & 7);
+                    const int ch = 2 * (u & 3) + (mi >> 1);
+                    u32 v0, v1, v2, v3;
+                    ldsm4_t(sb[pp] + 4096 + (u >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
+                            v0, v1, v2, v3);
+                    mma_bf16(o[2 * u], pa0, pa1, pa2, pa3, v0 & keep0, v1 & keep1);
+                    mma_bf16(o[2 * u + 1], pa0, pa1, pa2, pa3, v2 & keep0, v3 & keep1);
+                }
+            }
+            __syncwarp();
+#pragma unroll
+            for (int pp = 0; pp < PPI; ++pp)
+                if (lane == 0 && i + pp * WPM < np) mbar_arrive(empty + (i + pp * WPM) %% NST);
+        }
+#else
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
@@ -277,6 +379,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
+#endif
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -468,17 +571,18 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, lazy: int = 0, chains: int = 0, kpf: int = 0,
+           pref: int = 0, lazy: int = 0, chains: int = 0, kpf: int = 0, ppi: int = 1,
            stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``lazy``: the accumulators rescaled only where a
     row maximum moved; ``chains``: ``QK^T`` in four chains of 4 ``mma`` instead of two of 8;
-    ``kpf``: the split's pages into L2 at the start; ``stamps``: per-block phase
-    timestamps)."""
+    ``kpf``: the split's pages into L2 at the start; ``ppi``: pages per attention iteration of
+    a warp (independent chains, one maximum and rescale for them; ``chains`` applies to 1);
+    ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "lazy": int(lazy),
-                      "chains": int(chains), "kpf": int(kpf), "stamps": int(stamps)}
+                      "chains": int(chains), "kpf": int(kpf), "ppi": ppi, "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -492,9 +596,10 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, lazy: int, chains: int, kpf: int, stamps: bool) -> Kernel:
+            pref: int, lazy: int, chains: int, kpf: int, ppi: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, stamps),
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, ppi,
+                             stamps),
                       "verify_segment",
                       smem_bytes(k_in, n_out, stages), THREADS)
 
@@ -558,8 +663,9 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf``) and ``_stamps`` (int64, ``BLOCKS * 8``:
-    per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
+    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi``) and ``_stamps``
+    (int64, ``BLOCKS * 8``: per-block phase timestamps) are for
+    ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     t, hq, hkv = q.shape[0], q.shape[1], kv_cache.shape[3]
     if residual.shape != (t, n) or norm_weight.shape != (n,):
