@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--variants", nargs="+", default=None,
                     help="the kernel's switches, colon-separated, missing ones as shipped: "
-                    "decode_segment RS:RREG:KPF:WPF, verify_segment NST:PREF:LAZY:CHAINS:KPF "
+                    "decode_segment RS:RREG:KPF:WPF, verify_segment NST:PREF:LAZY:CHAINS:KPF:PPI:NW "
                     "(the kernels' source() documents them)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
@@ -92,7 +92,7 @@ def main() -> None:
     for v in args.variants:
         given = tuple(int(x) for x in v.split(":"))
         variants.append(given + tuple(shipped_v[len(given):]))
-    knobs = "NST:PREF:LAZY:CHAINS:KPF" if use_verify else "RS:RREG:KPF:WPF"
+    knobs = "NST:PREF:LAZY:CHAINS:KPF:PPI:NW" if use_verify else "RS:RREG:KPF:WPF"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE

@@ -54,8 +54,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf, ppi``
-VARIANT = (STAGES, 0, 0, 0, 0, 1)
+#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf, ppi, nw``
+VARIANT = (STAGES, 0, 0, 0, 0, 1, WARPS)
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
@@ -74,17 +74,21 @@ _SOURCE = r"""
 #define PPI %(ppi)d
 #define STAMPS %(stamps)d
 #define BLOCKS %(blocks)d
-#define NW 8
+#define NW %(nw)d
+#define NWO 8
 #define NT (NW * 32 + 32)
 #define WPM (NW / GROUP)
+#define WPS (NW > NWO ? NWO / GROUP : WPM)
 #define HQ (NKV * GROUP)
 #define WP (K_IN * 2 + 16)
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
 %(prelude)s
-static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
+static_assert(NST >= WPS * GROUP, "the ring holds the compute warps' states after attention");
+static_assert(NW %% GROUP == 0 && NW <= NWO + NWO / 2 && (NW <= NWO || NWO %% GROUP == 0),
+              "NW: every head's warps, the first NWO of them in the states' slots");
 
-extern "C" __global__ void __launch_bounds__(NT, 1)
+extern "C" __global__ void %(bounds)s
 verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                long long s_qt, int layer, int nlayers, int T, const int* __restrict__ bt,
                const int* __restrict__ seq_len_p, const int* __restrict__ qlen_p,
@@ -386,7 +390,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     }
     __syncthreads();   // every page consumed: the ring holds the compute warps' states now
-    if (warp < NW) {
+    if (warp < WPS * GROUP) {
         float* red = (float*)ring + warp * 16 * 128;
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
@@ -400,25 +404,52 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         }
     }
     __syncthreads();
-    // the split's partial of each (token, head): the WPM warps of the head merged, their
+#if NW > NWO
+    // the warps past the slots fold their states into their head's first slot
+    if (warp >= NWO && warp < NW) {
+        const int w = warp - NWO;
+        float* red = (float*)ring + w * 16 * 128;
+        const float ma = red_m[w * 16 + r0], mb = red_m[w * 16 + r0 + 8];
+        const float n0 = fmaxf(ma, m0), n1 = fmaxf(mb, m1);
+        const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
+        const float a0 = exp2f(ma - z0), b0 = exp2f(m0 - z0);
+        const float a1 = exp2f(mb - z1), b1 = exp2f(m1 - z1);
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            const int d = 8 * n + 2 * qd;
+            red[r0 * 128 + d] = red[r0 * 128 + d] * a0 + o[n][0] * b0;
+            red[r0 * 128 + d + 1] = red[r0 * 128 + d + 1] * a0 + o[n][1] * b0;
+            red[(r0 + 8) * 128 + d] = red[(r0 + 8) * 128 + d] * a1 + o[n][2] * b1;
+            red[(r0 + 8) * 128 + d + 1] = red[(r0 + 8) * 128 + d + 1] * a1 + o[n][3] * b1;
+        }
+        const float la = red_l[w * 16 + r0], lb = red_l[w * 16 + r0 + 8];
+        __syncwarp();
+        if (qd == 0) {
+            red_m[w * 16 + r0] = n0; red_m[w * 16 + r0 + 8] = n1;
+            red_l[w * 16 + r0] = la * a0 + l0 * b0; red_l[w * 16 + r0 + 8] = lb * a1 + l1 * b1;
+        }
+    }
+    __syncthreads();
+#endif
+    // the split's partial of each (token, head): the WPS slots of the head merged, their
     // weights per (head, token) first
-    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPM]
-    float* lsev = fac + GROUP * 16 * WPM;                    // [GROUP * 16]
+    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPS]
+    float* lsev = fac + GROUP * 16 * WPS;                    // [GROUP * 16]
     if (tid < GROUP * 16) {
         const int g = tid >> 4, t = tid & 15;
         float M = NEG_INF, sum = 0.f;
 #pragma unroll
-        for (int p = 0; p < WPM; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
+        for (int p = 0; p < WPS; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
 #pragma unroll
-        for (int p = 0; p < WPM; ++p) {
+        for (int p = 0; p < WPS; ++p) {
             const int w = g + p * GROUP;
             const float e = M == NEG_INF ? 0.f : exp2f(red_m[w * 16 + t] - M);
-            fac[tid * WPM + p] = e;
+            fac[tid * WPS + p] = e;
             sum += red_l[w * 16 + t] * e;
         }
 #pragma unroll
-        for (int p = 0; p < WPM; ++p)
-            fac[tid * WPM + p] = sum > 0.f ? fac[tid * WPM + p] / sum : 0.f;
+        for (int p = 0; p < WPS; ++p)
+            fac[tid * WPS + p] = sum > 0.f ? fac[tid * WPS + p] / sum : 0.f;
         lsev[tid] = sum > 0.f ? M + log2f(sum) : NEG_INF;
     }
     __syncthreads();
@@ -427,9 +458,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (t >= nq) continue;
         float val = 0.f;
 #pragma unroll
-        for (int p = 0; p < WPM; ++p)
+        for (int p = 0; p < WPS; ++p)
             val += ((float*)ring)[((g + p * GROUP) * 16 + t) * 128 + d]
-                   * fac[(g * 16 + t) * WPM + p];
+                   * fac[(g * 16 + t) * WPS + p];
         const int row = (sidx * 16 + t) * HQ + h * GROUP + g;
         part_o[(size_t)row * 128 + d] = val;
         if (d == 0) part_lse[row] = lsev[g * 16 + t];
@@ -482,8 +513,8 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
-    if (warp < NW) {
-        const int kw = warp * (K_IN / NW) + 16 * qd;
+    if (warp < NWO) {
+        const int kw = warp * (K_IN / NWO) + 16 * qd;
         const bf16_t* wg = W + (size_t)(c * 16 * MT + 16 + r0) * K_IN + kw;
         const bf16_t* xg = xbuf + (size_t)r0 * K_IN + kw;
         v4 xr[NCH][4], wr[NCH][4];
@@ -548,7 +579,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (o2 >= 16 * MT * 16) break;
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
+        for (int w = 0; w < NWO; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
         float hf = 0.f;
         if (t < T) {
             const size_t at = (size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r;
@@ -572,36 +603,43 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
            pref: int = 0, lazy: int = 0, chains: int = 0, kpf: int = 0, ppi: int = 1,
-           stamps: bool = False) -> str:
+           nw: int = WARPS, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``lazy``: the accumulators rescaled only where a
     row maximum moved; ``chains``: ``QK^T`` in four chains of 4 ``mma`` instead of two of 8;
     ``kpf``: the split's pages into L2 at the start; ``ppi``: pages per attention iteration of
     a warp (independent chains, one maximum and rescale for them; ``chains`` applies to 1);
+    ``nw``: compute warps in attention, 8 or 12 (12: three per head of 4 query heads, the third
+    folding its state into the first's before the merge; the first 8 do o_proj);
     ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "lazy": int(lazy),
-                      "chains": int(chains), "kpf": int(kpf), "ppi": ppi, "stamps": int(stamps)}
+                      "chains": int(chains), "kpf": int(kpf), "ppi": ppi, "nw": nw,
+                      "stamps": int(stamps),
+                      # past 8 compute warps ptxas would round the block up to 512 threads
+                      # and allow 128 registers: the register file holds 13 warps of 152
+                      "bounds": ("__launch_bounds__(NT, 1)" if nw <= WARPS else
+                                 f"__maxnreg__({65536 // ((nw + 1) * 32) // 8 * 8})")}
 
 
-def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
+def smem_bytes(k_in: int, n_out: int, stages: int = STAGES, nw: int = WARPS) -> int:
     """Dynamic shared memory: 1 KB of alignment slack, the ring, 16 weight rows (16-byte pad),
     the mbarriers, the warps' row maxima and sums, the squares of the epilogue, the merge's
     weights."""
     mt = n_out // (BLOCKS * 16)
     return (1024 + stages * 8192 + 16 * (k_in * 2 + 16) + (2 * stages + 1) * 8
-            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
+            + 2 * nw * 16 * 4 + 16 * 16 * mt * 4 + 1024)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, lazy: int, chains: int, kpf: int, ppi: int, stamps: bool) -> Kernel:
+            pref: int, lazy: int, chains: int, kpf: int, ppi: int, nw: int, stamps: bool
+            ) -> Kernel:
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, ppi,
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, ppi, nw,
                              stamps),
-                      "verify_segment",
-                      smem_bytes(k_in, n_out, stages), THREADS)
+                      "verify_segment", smem_bytes(k_in, n_out, stages, nw), (nw + 1) * 32)
 
 
 def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
@@ -663,7 +701,7 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi``) and ``_stamps``
+    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi, nw``) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for
     ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
