@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--variants", nargs="+", default=None,
                     help="the kernel's switches, colon-separated, missing ones as shipped: "
-                    "decode_segment RS:RREG:KPF:WPF, verify_segment NST:PREF:LAZY:CHAINS:KPF:PPI:NW "
-                    "(the kernels' source() documents them)")
+                    "decode_segment RS:RREG:KPF:WPF, verify_segment "
+                    "NST:PREF:LAZY:CHAINS:KPF:PPI:NW (the kernels' source() documents them)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
                     "kernels.verify_segment")
