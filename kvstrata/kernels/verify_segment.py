@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -56,6 +57,19 @@ THREADS = (WARPS + 1) * 32
 STAGES = 8
 #: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf, ppi, nw``
 VARIANT = (STAGES, 0, 0, 0, 0, 1, WARPS)
+#: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
+#: replace :data:`VARIANT`'s first ones, e.g. ``8:0:1:0:0:1:12``
+VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
+
+
+def _env_variant() -> tuple[int, ...]:
+    given = os.environ.get(VARIANT_ENV, "")
+    try:
+        head = tuple(int(x) for x in given.split(":")) if given else ()
+    except ValueError:
+        raise ValueError(f"{VARIANT_ENV}={given!r}: colon-separated integers, e.g. "
+                         "8:0:1:0:0:1:12") from None
+    return head + VARIANT[len(head):]
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
@@ -659,7 +673,7 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *VARIANT, False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
                     f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 verify keeps the Triton attention + o_proj launches")
@@ -694,14 +708,15 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, _variant: tuple[int, ...] = VARIANT,
+                   eps: float, _variant: tuple[int, ...] | None = None,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(T, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`verify_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi, nw``) and ``_stamps``
+    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi, nw``; ``None``:
+    :data:`VARIANT`, or what ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for
     ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
@@ -710,7 +725,8 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"verify_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [{t}, {n}] and [{n}]")
     dev = q.device
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_variant, _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
+                   _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * MAX_QUERIES * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * MAX_QUERIES * hq, dtype=torch.float32, device=dev)
