@@ -124,11 +124,6 @@ __device__ __forceinline__ void tensor_copy(u32 dst, const TMap* map, int x, int
                  " [%0], [%1, {%2, %3}], [%4];"
                  :: "r"(dst), "l"((u64)map), "r"(x), "r"(y), "r"(sa(bar)) : "memory");
 }
-// one box of a 2-D tensor map at (x, y) -> L2, nothing waits on it
-__device__ __forceinline__ void tensor_prefetch(const TMap* map, int x, int y) {
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];"
-                 :: "l"((u64)map), "r"(x), "r"(y) : "memory");
-}
 __device__ __forceinline__ void ldsm4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));

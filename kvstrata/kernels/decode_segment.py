@@ -54,8 +54,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, kpf, wpf``
-VARIANT = (SMEM_ROWS, 0, 0, 0)
+#: :func:`source`'s switches as shipped: ``rs, rreg``
+VARIANT = (SMEM_ROWS, 0)
 _LOG2E = math.log2(math.e)
 
 _SOURCE = r"""
@@ -66,8 +66,6 @@ _SOURCE = r"""
 #define RPW %(rpw)d
 #define RS %(rs)d
 #define RREG %(rreg)d
-#define KPF %(kpf)d
-#define WPF %(wpf)d
 #define STAMPS %(stamps)d
 #define NW 8
 #define ROWS (RPW * NW)
@@ -221,27 +219,12 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
     int btl = lane < npw ? bt[p0 + lane * NW] : 0;
     v4 kr[8], vr[8];
-#if KPF == 1
-    // every page of this warp (its first 32) into L2 now, one per lane
-    if (lane < npw) {
-        const bf16_t* kp = kbase + (long long)btl * s_page;
-        l2_prefetch(kp, 4096);
-        l2_prefetch(kp + s_kv, 4096);
-    }
-#endif
     if (npw > 0)
         load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
     if (tid == 0) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
     for (int k = 0; k < npw; ++k) {
         v4 kn[8], vn[8];
         const int k1 = k + 1;
-#if KPF == 2
-        // the page after the next one into L2 (from the ids at hand)
-        if (k1 + 1 < npw && ((k1 + 1) & 31) != 0) {
-            const int id2 = __shfl_sync(FULL, btl, (k1 + 1) & 31);
-            if (lane < 2) l2_prefetch(kbase + (long long)id2 * s_page + lane * s_kv, 4096);
-        }
-#endif
         if (k1 < npw) {
             if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * NW] : 0;
             load_page(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, s_kv, half,
@@ -285,19 +268,10 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
         if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
     }
-#if WPF
-    // the rows past RS into L2 (WPF 1: before barrier 1, 2: after it)
-    if (WPF == 1 && tid < ROWS - RS)
-        l2_prefetch(W + (size_t)(c * ROWS + RS + tid) * K_IN, K_IN * 2);
-#endif
     STAMP(1)
 
     // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
     grid_barrier(ctr);
-#if WPF
-    if (WPF == 2 && tid < ROWS - RS)
-        l2_prefetch(W + (size_t)(c * ROWS + RS + tid) * K_IN, K_IN * 2);
-#endif
 #if RREG
     // every block's attention is done: this warp's rows past RS into registers now
     v4 wg[RPW - RS / NW][K_IN / 256];
@@ -378,16 +352,14 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           kpf: int = 0, wpf: int = 0, stamps: bool = False) -> str:
+           stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
-    ``kpf``: K/V pages into L2 ahead of the loads, 1 every page of a warp at the start, 2 the
-    page after the next; ``wpf``: the rows past ``rs`` into L2, 1 before barrier 1, 2 after it;
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
-                      "rreg": int(rreg), "kpf": kpf, "wpf": wpf, "stamps": int(stamps)}
+                      "rreg": int(rreg), "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -397,10 +369,10 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, kpf: int, wpf: int, stamps: bool) -> Kernel:
+            rreg: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, kpf, wpf, stamps),
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps),
                       "decode_segment",
                       smem_bytes(group, k_in, rs), WARPS * 32)
 
@@ -461,7 +433,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, kpf, wpf``) and ``_stamps``
+    ``_variant`` (:func:`source`'s ``rs, rreg``) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]

@@ -55,10 +55,10 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, lazy, chains, kpf, ppi, nw``
-VARIANT = (STAGES, 0, 0, 0, 0, 1, WARPS)
+#: :func:`source`'s switches as shipped: ``stages, pref, lazy, ppi, nw``
+VARIANT = (STAGES, 0, 0, 1, WARPS)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
-#: replace :data:`VARIANT`'s first ones, e.g. ``8:0:1:0:0:1:12``
+#: replace :data:`VARIANT`'s first ones, e.g. ``8:0:1:1:12``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
 
 
@@ -68,7 +68,7 @@ def _env_variant() -> tuple[int, ...]:
         head = tuple(int(x) for x in given.split(":")) if given else ()
     except ValueError:
         raise ValueError(f"{VARIANT_ENV}={given!r}: colon-separated integers, e.g. "
-                         "8:0:1:0:0:1:12") from None
+                         "8:0:1:1:12") from None
     return head + VARIANT[len(head):]
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
@@ -83,8 +83,6 @@ _SOURCE = r"""
 #define NST %(nst)d
 #define PREF %(pref)d
 #define LAZY %(lazy)d
-#define CHAINS %(chains)d
-#define KPF %(kpf)d
 #define PPI %(ppi)d
 #define STAMPS %(stamps)d
 #define BLOCKS %(blocks)d
@@ -162,16 +160,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
-#if KPF
-        // the split's first 64 pages into L2 now, one or two per lane
-        for (int i = lane; i < min(np, 64); i += 32) {
-            const int y = bt[lo / 16 + i] * page_rows + row0;
-            tensor_prefetch(&kvmap, 0, y);
-            tensor_prefetch(&kvmap, 64, y);
-            tensor_prefetch(&kvmap, 0, y + NKV * 16);
-            tensor_prefetch(&kvmap, 64, y + NKV * 16);
-        }
-#endif
         for (int i = 0; i < np; ++i) {
             if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
             const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
@@ -315,10 +303,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             mbar_wait(full + st, (i / NST) & 1);
             const u32 sb = sa(ring) + st * 8192;
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#if CHAINS
-            // odd k-steps into a second pair of accumulators: four chains of 4 mma
-            float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#endif
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
                 const int tok = (lane >> 4) * 8 + (lane & 7);
@@ -326,20 +310,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 u32 b0, b1, b2, b3;
                 ldsm4(sb + (ks >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
                       b0, b1, b2, b3);
-#if CHAINS
-                float (&sd)[2][4] = (ks & 1) ? s2 : s;
-#else
-                float (&sd)[2][4] = s;
-#endif
-                mma_bf16(sd[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-                mma_bf16(sd[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
+                mma_bf16(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+                mma_bf16(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
             }
-#if CHAINS
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
-#endif
             const int k0 = lo + i * 16;
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
@@ -486,8 +459,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 #if PREF
     if (MT > 1 && tid < 16 * (MT - 1)) {
         const bf16_t* src = W + (size_t)(c * 16 * MT + 16 + tid) * K_IN;
-        asm volatile("cp.async.bulk.prefetch.L2.global [%%0], %%1;"
-                     :: "l"(src), "r"(K_IN * 2) : "memory");
+        l2_prefetch(src, K_IN * 2);
     }
 #endif
     STAMP(2)
@@ -616,20 +588,19 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, lazy: int = 0, chains: int = 0, kpf: int = 0, ppi: int = 1,
-           nw: int = WARPS, stamps: bool = False) -> str:
+           pref: int = 0, lazy: int = 0, ppi: int = 1, nw: int = WARPS,
+           stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``lazy``: the accumulators rescaled only where a
-    row maximum moved; ``chains``: ``QK^T`` in four chains of 4 ``mma`` instead of two of 8;
-    ``kpf``: the split's pages into L2 at the start; ``ppi``: pages per attention iteration of
-    a warp (independent chains, one maximum and rescale for them; ``chains`` applies to 1);
+    row maximum moved; ``ppi``: pages per attention iteration of a warp, 1 or 2 (independent
+    chains, one maximum and rescale for them);
     ``nw``: compute warps in attention, 8 or 12 (12: three per head of 4 query heads, the third
     folding its state into the first's before the merge; the first 8 do o_proj);
     ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "lazy": int(lazy),
-                      "chains": int(chains), "kpf": int(kpf), "ppi": ppi, "nw": nw,
+                      "ppi": ppi, "nw": nw,
                       "stamps": int(stamps),
                       # past 8 compute warps ptxas would round the block up to 512 threads
                       # and allow 128 registers: the register file holds 13 warps of 152
@@ -648,11 +619,9 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES, nw: int = WARPS) -> 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, lazy: int, chains: int, kpf: int, ppi: int, nw: int, stamps: bool
-            ) -> Kernel:
+            pref: int, lazy: int, ppi: int, nw: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, chains, kpf, ppi, nw,
-                             stamps),
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, ppi, nw, stamps),
                       "verify_segment", smem_bytes(k_in, n_out, stages, nw), (nw + 1) * 32)
 
 
@@ -715,7 +684,7 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, lazy, chains, kpf, ppi, nw``; ``None``:
+    ``_variant`` (:func:`source`'s ``stages, pref, lazy, ppi, nw``; ``None``:
     :data:`VARIANT`, or what ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for
     ``benchmarks/segment_proto.py``."""
