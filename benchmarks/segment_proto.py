@@ -44,8 +44,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--variants", nargs="+", default=None,
                     help="the kernel's switches, colon-separated, missing ones as shipped: "
-                    "decode_segment RS:RREG, verify_segment NST:PREF:LAZY:PPI:NW (the kernels' "
-                    "source() documents them)")
+                    "decode_segment RS:RREG, verify_segment NST:PREF (the kernels' source() "
+                    "documents them)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
                     "kernels.verify_segment")
@@ -86,13 +86,12 @@ def main() -> None:
     q_alone = rnd(nq, HQ, D, scale=1.0)
     shipped_v = (vseg if use_verify else seg).VARIANT
     if args.variants is None:
-        args.variants = (["8", "8:0:1", "8:0:1:2", "8:0:0:1:12", "8:0:1:1:12"] if use_verify
-                         else ["16:0", "16:1", "24:0", "8:0"])
+        args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
     variants = []
     for v in args.variants:
         given = tuple(int(x) for x in v.split(":"))
         variants.append(given + tuple(shipped_v[len(given):]))
-    knobs = "NST:PREF:LAZY:PPI:NW" if use_verify else "RS:RREG"
+    knobs = "NST:PREF" if use_verify else "RS:RREG"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE

@@ -55,21 +55,11 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, lazy, ppi, nw``
-VARIANT = (STAGES, 0, 0, 1, WARPS)
+#: :func:`source`'s switches as shipped: ``stages, pref``
+VARIANT = (STAGES, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
-#: replace :data:`VARIANT`'s first ones, e.g. ``8:0:1:1:12``
+#: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
-
-
-def _env_variant() -> tuple[int, ...]:
-    given = os.environ.get(VARIANT_ENV, "")
-    try:
-        head = tuple(int(x) for x in given.split(":")) if given else ()
-    except ValueError:
-        raise ValueError(f"{VARIANT_ENV}={given!r}: colon-separated integers, e.g. "
-                         "8:0:1:1:12") from None
-    return head + VARIANT[len(head):]
 #: query rows of a launch (an mma tile)
 MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
@@ -82,25 +72,19 @@ _SOURCE = r"""
 #define MT %(mt)d
 #define NST %(nst)d
 #define PREF %(pref)d
-#define LAZY %(lazy)d
-#define PPI %(ppi)d
 #define STAMPS %(stamps)d
 #define BLOCKS %(blocks)d
-#define NW %(nw)d
-#define NWO 8
+#define NW 8
 #define NT (NW * 32 + 32)
 #define WPM (NW / GROUP)
-#define WPS (NW > NWO ? NWO / GROUP : WPM)
 #define HQ (NKV * GROUP)
 #define WP (K_IN * 2 + 16)
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
 %(prelude)s
-static_assert(NST >= WPS * GROUP, "the ring holds the compute warps' states after attention");
-static_assert(NW %% GROUP == 0 && NW <= NWO + NWO / 2 && (NW <= NWO || NWO %% GROUP == 0),
-              "NW: every head's warps, the first NWO of them in the states' slots");
+static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 
-extern "C" __global__ void %(bounds)s
+extern "C" __global__ void __launch_bounds__(NT, 1)
 verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                long long s_qt, int layer, int nlayers, int T, const int* __restrict__ bt,
                const int* __restrict__ seq_len_p, const int* __restrict__ qlen_p,
@@ -197,107 +181,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             qa[s][3] = r0 + 8 < nq ? *(const u32*)(q1 + 8) : 0u;
         }
         const int qp0 = L - nq + r0, qp1 = qp0 + 8;
-#if PPI > 1
-        // PPI pages per iteration (pages i, i + WPM, ...): their chains are independent, and
-        // one maximum, one rescale per iteration; a page past the split reads another stage
-        // (fully masked: -inf scores, zeroed V) so the loop body has no branches
-        for (int i = par; i < np; i += WPM * PPI) {
-            float s[PPI][2][4];
-            u32 sb[PPI];
-#pragma unroll
-            for (int pp = 0; pp < PPI; ++pp) {
-                const int ii = i + pp * WPM;
-                const int st = (ii < np ? ii : i) %% NST;
-                if (ii < np) mbar_wait(full + st, (ii / NST) & 1);
-                sb[pp] = sa(ring) + st * 8192;
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    s[pp][j][0] = s[pp][j][1] = s[pp][j][2] = s[pp][j][3] = 0.f;
-            }
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks)
-#pragma unroll
-                for (int pp = 0; pp < PPI; ++pp) {
-                    const int tok = (lane >> 4) * 8 + (lane & 7);
-                    const int ch = 2 * (ks & 3) + ((lane >> 3) & 1);
-                    u32 b0, b1, b2, b3;
-                    ldsm4(sb[pp] + (ks >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
-                          b0, b1, b2, b3);
-                    mma_bf16(s[pp][0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
-                    mma_bf16(s[pp][1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
-                }
-            float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-            for (int pp = 0; pp < PPI; ++pp)
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int kp = lo + (i + pp * WPM) * 16 + 8 * j + 2 * qd + e;
-                        s[pp][j][e] = kp <= qp0 && kp < hi ? s[pp][j][e] * qk_scale : NEG_INF;
-                        s[pp][j][2 + e] = kp <= qp1 && kp < hi ? s[pp][j][2 + e] * qk_scale
-                                                               : NEG_INF;
-                        mx0 = fmaxf(mx0, s[pp][j][e]);
-                        mx1 = fmaxf(mx1, s[pp][j][2 + e]);
-                    }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-            const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
-            const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
-            m0 = n0; m1 = n1;
-            l0 *= al0;
-            l1 *= al1;
-#pragma unroll
-            for (int pp = 0; pp < PPI; ++pp) {
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        s[pp][j][e] = exp2f(s[pp][j][e] - z0);
-                        s[pp][j][2 + e] = exp2f(s[pp][j][2 + e] - z1);
-                    }
-                l0 = l0 + (s[pp][0][0] + s[pp][0][1]) + (s[pp][1][0] + s[pp][1][1]);
-                l1 = l1 + (s[pp][0][2] + s[pp][0][3]) + (s[pp][1][2] + s[pp][1][3]);
-            }
-#if LAZY
-            if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f))
-#endif
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-                o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-            }
-#pragma unroll
-            for (int pp = 0; pp < PPI; ++pp) {
-                const u32 pa0 = pack_bf(s[pp][0][0], s[pp][0][1]);
-                const u32 pa1 = pack_bf(s[pp][0][2], s[pp][0][3]);
-                const u32 pa2 = pack_bf(s[pp][1][0], s[pp][1][1]);
-                const u32 pa3 = pack_bf(s[pp][1][2], s[pp][1][3]);
-                // V rows past the split (the sequence's last page) may hold anything: zeroed
-                const int kv0 = lo + (i + pp * WPM) * 16 + 2 * qd;
-                const u32 keep0 = (kv0 < hi ? 0xffffu : 0u) | (kv0 + 1 < hi ? 0xffff0000u : 0u);
-                const u32 keep1 = (kv0 + 8 < hi ? 0xffffu : 0u)
-                                  | (kv0 + 9 < hi ? 0xffff0000u : 0u);
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int mi = lane >> 3;
-                    const int tok = (mi & 1) * 8 + (lane & 7);
-                    const int ch = 2 * (u & 3) + (mi >> 1);
-                    u32 v0, v1, v2, v3;
-                    ldsm4_t(sb[pp] + 4096 + (u >> 2) * 2048 + tok * 128 + ((ch ^ (tok & 7)) << 4),
-                            v0, v1, v2, v3);
-                    mma_bf16(o[2 * u], pa0, pa1, pa2, pa3, v0 & keep0, v1 & keep1);
-                    mma_bf16(o[2 * u + 1], pa0, pa1, pa2, pa3, v2 & keep0, v3 & keep1);
-                }
-            }
-            __syncwarp();
-#pragma unroll
-            for (int pp = 0; pp < PPI; ++pp)
-                if (lane == 0 && i + pp * WPM < np) mbar_arrive(empty + (i + pp * WPM) %% NST);
-        }
-#else
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
@@ -342,10 +225,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 }
             l0 = l0 * al0 + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
             l1 = l1 * al1 + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
-#if LAZY
-            // a maximum that did not move leaves the accumulators as they are (x 1.0)
-            if (__any_sync(0xffffffffu, al0 != 1.f || al1 != 1.f))
-#endif
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
                 o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
@@ -370,14 +249,13 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
-#endif
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     }
     __syncthreads();   // every page consumed: the ring holds the compute warps' states now
-    if (warp < WPS * GROUP) {
+    if (warp < NW) {
         float* red = (float*)ring + warp * 16 * 128;
 #pragma unroll
         for (int n = 0; n < 16; ++n) {
@@ -391,52 +269,25 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         }
     }
     __syncthreads();
-#if NW > NWO
-    // the warps past the slots fold their states into their head's first slot
-    if (warp >= NWO && warp < NW) {
-        const int w = warp - NWO;
-        float* red = (float*)ring + w * 16 * 128;
-        const float ma = red_m[w * 16 + r0], mb = red_m[w * 16 + r0 + 8];
-        const float n0 = fmaxf(ma, m0), n1 = fmaxf(mb, m1);
-        const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
-        const float a0 = exp2f(ma - z0), b0 = exp2f(m0 - z0);
-        const float a1 = exp2f(mb - z1), b1 = exp2f(m1 - z1);
-#pragma unroll
-        for (int n = 0; n < 16; ++n) {
-            const int d = 8 * n + 2 * qd;
-            red[r0 * 128 + d] = red[r0 * 128 + d] * a0 + o[n][0] * b0;
-            red[r0 * 128 + d + 1] = red[r0 * 128 + d + 1] * a0 + o[n][1] * b0;
-            red[(r0 + 8) * 128 + d] = red[(r0 + 8) * 128 + d] * a1 + o[n][2] * b1;
-            red[(r0 + 8) * 128 + d + 1] = red[(r0 + 8) * 128 + d + 1] * a1 + o[n][3] * b1;
-        }
-        const float la = red_l[w * 16 + r0], lb = red_l[w * 16 + r0 + 8];
-        __syncwarp();
-        if (qd == 0) {
-            red_m[w * 16 + r0] = n0; red_m[w * 16 + r0 + 8] = n1;
-            red_l[w * 16 + r0] = la * a0 + l0 * b0; red_l[w * 16 + r0 + 8] = lb * a1 + l1 * b1;
-        }
-    }
-    __syncthreads();
-#endif
-    // the split's partial of each (token, head): the WPS slots of the head merged, their
+    // the split's partial of each (token, head): the WPM warps of the head merged, their
     // weights per (head, token) first
-    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPS]
-    float* lsev = fac + GROUP * 16 * WPS;                    // [GROUP * 16]
+    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPM]
+    float* lsev = fac + GROUP * 16 * WPM;                    // [GROUP * 16]
     if (tid < GROUP * 16) {
         const int g = tid >> 4, t = tid & 15;
         float M = NEG_INF, sum = 0.f;
 #pragma unroll
-        for (int p = 0; p < WPS; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
+        for (int p = 0; p < WPM; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
 #pragma unroll
-        for (int p = 0; p < WPS; ++p) {
+        for (int p = 0; p < WPM; ++p) {
             const int w = g + p * GROUP;
             const float e = M == NEG_INF ? 0.f : exp2f(red_m[w * 16 + t] - M);
-            fac[tid * WPS + p] = e;
+            fac[tid * WPM + p] = e;
             sum += red_l[w * 16 + t] * e;
         }
 #pragma unroll
-        for (int p = 0; p < WPS; ++p)
-            fac[tid * WPS + p] = sum > 0.f ? fac[tid * WPS + p] / sum : 0.f;
+        for (int p = 0; p < WPM; ++p)
+            fac[tid * WPM + p] = sum > 0.f ? fac[tid * WPM + p] / sum : 0.f;
         lsev[tid] = sum > 0.f ? M + log2f(sum) : NEG_INF;
     }
     __syncthreads();
@@ -445,9 +296,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (t >= nq) continue;
         float val = 0.f;
 #pragma unroll
-        for (int p = 0; p < WPS; ++p)
+        for (int p = 0; p < WPM; ++p)
             val += ((float*)ring)[((g + p * GROUP) * 16 + t) * 128 + d]
-                   * fac[(g * 16 + t) * WPS + p];
+                   * fac[(g * 16 + t) * WPM + p];
         const int row = (sidx * 16 + t) * HQ + h * GROUP + g;
         part_o[(size_t)row * 128 + d] = val;
         if (d == 0) part_lse[row] = lsev[g * 16 + t];
@@ -499,8 +350,8 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
-    if (warp < NWO) {
-        const int kw = warp * (K_IN / NWO) + 16 * qd;
+    if (warp < NW) {
+        const int kw = warp * (K_IN / NW) + 16 * qd;
         const bf16_t* wg = W + (size_t)(c * 16 * MT + 16 + r0) * K_IN + kw;
         const bf16_t* xg = xbuf + (size_t)r0 * K_IN + kw;
         v4 xr[NCH][4], wr[NCH][4];
@@ -565,7 +416,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (o2 >= 16 * MT * 16) break;
         float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < NWO; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
+        for (int w = 0; w < NW; ++w) v += ((float*)ring)[w * (16 * MT * 16) + o2];
         float hf = 0.f;
         if (t < T) {
             const size_t at = (size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r;
@@ -587,42 +438,40 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 """
 
 
+def _env_variant() -> tuple[int, ...]:
+    given = os.environ.get(VARIANT_ENV, "")
+    try:
+        head = tuple(int(x) for x in given.split(":")) if given else ()
+    except ValueError:
+        raise ValueError(f"{VARIANT_ENV}={given!r}: colon-separated integers, e.g. "
+                         "10:1") from None
+    return head + VARIANT[len(head):]
+
+
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, lazy: int = 0, ppi: int = 1, nw: int = WARPS,
-           stamps: bool = False) -> str:
+           pref: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
-    in shared memory after the first barrier; ``lazy``: the accumulators rescaled only where a
-    row maximum moved; ``ppi``: pages per attention iteration of a warp, 1 or 2 (independent
-    chains, one maximum and rescale for them);
-    ``nw``: compute warps in attention, 8 or 12 (12: three per head of 4 query heads, the third
-    folding its state into the first's before the merge; the first 8 do o_proj);
-    ``stamps``: per-block phase timestamps)."""
+    in shared memory after the first barrier; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "lazy": int(lazy),
-                      "ppi": ppi, "nw": nw,
-                      "stamps": int(stamps),
-                      # past 8 compute warps ptxas would round the block up to 512 threads
-                      # and allow 128 registers: the register file holds 13 warps of 152
-                      "bounds": ("__launch_bounds__(NT, 1)" if nw <= WARPS else
-                                 f"__maxnreg__({65536 // ((nw + 1) * 32) // 8 * 8})")}
+                      "blocks": BLOCKS, "pref": int(pref), "stamps": int(stamps)}
 
 
-def smem_bytes(k_in: int, n_out: int, stages: int = STAGES, nw: int = WARPS) -> int:
+def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
     """Dynamic shared memory: 1 KB of alignment slack, the ring, 16 weight rows (16-byte pad),
     the mbarriers, the warps' row maxima and sums, the squares of the epilogue, the merge's
     weights."""
     mt = n_out // (BLOCKS * 16)
     return (1024 + stages * 8192 + 16 * (k_in * 2 + 16) + (2 * stages + 1) * 8
-            + 2 * nw * 16 * 4 + 16 * 16 * mt * 4 + 1024)
+            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, lazy: int, ppi: int, nw: int, stamps: bool) -> Kernel:
+            pref: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, lazy, ppi, nw, stamps),
-                      "verify_segment", smem_bytes(k_in, n_out, stages, nw), (nw + 1) * 32)
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, stamps), "verify_segment",
+                      smem_bytes(k_in, n_out, stages), THREADS)
 
 
 def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
@@ -684,10 +533,9 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, lazy, ppi, nw``; ``None``:
-    :data:`VARIANT`, or what ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps``
-    (int64, ``BLOCKS * 8``: per-block phase timestamps) are for
-    ``benchmarks/segment_proto.py``."""
+    ``_variant`` (:func:`source`'s ``stages, pref``; ``None``: :data:`VARIANT`, or what
+    ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps`` (int64, ``BLOCKS * 8``:
+    per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     t, hq, hkv = q.shape[0], q.shape[1], kv_cache.shape[3]
     if residual.shape != (t, n) or norm_weight.shape != (n,):
