@@ -32,6 +32,7 @@ from runner_bench import _graph_us, copy_rate  # noqa: E402
 from kvstrata.kernels import attention_triton as at  # noqa: E402
 from kvstrata.kernels import decode_segment as seg  # noqa: E402
 from kvstrata.kernels import verify_segment as vseg  # noqa: E402
+from kvstrata.kernels._cuda import variant  # noqa: E402
 from kvstrata.kernels.attention_plan import plan_attention  # noqa: E402
 from kvstrata.kernels.gemv import RowRms, gemv, gemv_add_norm  # noqa: E402
 
@@ -87,10 +88,7 @@ def main() -> None:
     shipped_v = (vseg if use_verify else seg).VARIANT
     if args.variants is None:
         args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
-    variants = []
-    for v in args.variants:
-        given = tuple(int(x) for x in v.split(":"))
-        variants.append(given + tuple(shipped_v[len(given):]))
+    variants = [variant(v, shipped_v, "--variants") for v in args.variants]
     knobs = "NST:PREF" if use_verify else "RS:RREG"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:

@@ -199,6 +199,17 @@ def enabled(impl: str, device: torch.device, env: str, default: str) -> bool:
             and device_ok(device))
 
 
+def variant(given: str, shipped: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """A segment's switches from ``given`` (colon-separated integers; the ones left out as
+    ``shipped``), for benchmarks; ``what`` names the source in the error."""
+    try:
+        head = tuple(int(x) for x in given.split(":")) if given else ()
+    except ValueError:
+        raise ValueError(f"{what}={given!r}: colon-separated integers, e.g. "
+                         f"{':'.join(map(str, shipped))}") from None
+    return head + shipped[len(head):]
+
+
 def compiles(build: Callable[[], object], what: str, fallback: str) -> bool:
     """Runs ``build`` (a kernel's compile, before any graph capture needs it); a failure
     (NVRTC or the driver refused) warns ``what (error); fallback`` and returns False."""

@@ -372,8 +372,7 @@ def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, r
             rreg: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps),
-                      "decode_segment",
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps), "decode_segment",
                       smem_bytes(group, k_in, rs), WARPS * 32)
 
 

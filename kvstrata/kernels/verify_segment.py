@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter,
-                    tensor_map_2d)
+                    tensor_map_2d, variant)
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -439,13 +439,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
 
 def _env_variant() -> tuple[int, ...]:
-    given = os.environ.get(VARIANT_ENV, "")
-    try:
-        head = tuple(int(x) for x in given.split(":")) if given else ()
-    except ValueError:
-        raise ValueError(f"{VARIANT_ENV}={given!r}: colon-separated integers, e.g. "
-                         "10:1") from None
-    return head + VARIANT[len(head):]
+    return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
