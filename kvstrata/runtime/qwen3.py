@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.decode_segment import decode_segment, decode_segment_ok
-from ..kernels.gemv import gemv, gemv_add_norm, gemv_ok
+from ..kernels.decode_segment import NormRope, decode_segment, decode_segment_ok
+from ..kernels.gemv import RowRms, gemv, gemv_add_norm, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
 from ..kernels.verify_segment import verify_segment, verify_segment_ok
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
@@ -255,7 +255,6 @@ class Qwen3Model(nn.Module):
                                      self.rotary.attention_scaling, impl=attn_impl)
         captured: list[Tensor | None] = [None] * len(capture_layers)
         eps = cfg.rms_norm_eps
-        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         windows = cfg.sliding_windows or (None,) * cfg.num_hidden_layers
         # Residual adds ride in the next norm's launch (layer_ops: one launch per fused op on
         # CUDA, the plain torch ops elsewhere): x is the normed input, h the residual stream.
@@ -271,36 +270,10 @@ class Qwen3Model(nn.Module):
         rms = None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            # One product for q/k/v (merged weights), one launch for both norms, RoPE and the
-            # K/V write into the pool (kernels.layer_ops.qkv_norm_rope).
-            q, _, _ = qkv_norm_rope(attn.qkv(x, product=functools.partial(mm, rms=rms)),
-                                    attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
-                                    cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,
-                                    slot_mapping=slot_mapping, impl=attn_impl)
-            post = layer.post_attention_layernorm.weight
-            if fuse and decode_segment_ok(q, kv_cache, meta, attn.o_proj.weight,
-                                          attn.o_proj.bias, windows[i], attn_impl):
-                # batch-1 decode on Hopper: attention and o_proj (+ residual, next norm) in one
-                # persistent launch (kernels.decode_segment)
-                x, h, rms = decode_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                           weight=attn.o_proj.weight, residual=h,
-                                           norm_weight=post, eps=eps)
-            elif fuse and verify_segment_ok(q, kv_cache, meta, attn.o_proj.weight,
-                                            attn.o_proj.bias, windows[i], attn_impl):
-                # batch-1 verify (2-16 queries) on Hopper: the same, with matrix products
-                # (kernels.verify_segment)
-                x, h, rms = verify_segment(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                           weight=attn.o_proj.weight, residual=h,
-                                           norm_weight=post, eps=eps)
-            else:
-                o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale,
-                                    sliding_window=windows[i], impl=attn_impl)
-                if fuse:
-                    x, h, rms = attn.project_out(o, product=functools.partial(
-                        gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
-                else:
-                    x, h = add_rms_norm(attn.project_out(o, product=mm), post, eps, residual=h,
-                                        impl=attn_impl)
+            # One product for q/k/v (merged weights), then attention and o_proj
+            qkv = attn.qkv(x, product=functools.partial(mm, rms=rms))
+            x, h, rms = self._attention(i, qkv, h, cos, sin, meta, slot_mapping, kv_cache,
+                                        windows[i], fuse, attn_impl)
             # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)
             g = gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True, rms=rms)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
@@ -315,6 +288,48 @@ class Qwen3Model(nn.Module):
                 if l == i:
                     captured[j] = h
         return x, captured  # type: ignore[return-value]
+
+    def _attention(self, i: int, qkv: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
+                   meta: AttentionMetadata, slot_mapping: Tensor, kv_cache: Tensor,
+                   window: int | None, fuse: bool, attn_impl: str
+                   ) -> tuple[Tensor, Tensor, RowRms | None]:
+        """Layer ``i`` from its q/k/v product to the next norm's input: q/k norms, RoPE, the
+        K/V write into the pool, attention, o_proj and the residual add. Returns ``(x, h,
+        rms)``: the normed input of the MLP (with ``rms``, the norm's row scale the next
+        product applies; ``None``: ``x`` is fully normed) and the residual stream."""
+        cfg = self.config
+        attn = self.layers[i].self_attn
+        post = self.layers[i].post_attention_layernorm.weight
+        eps, hq, hkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
+        seg = dict(sm_scale=self.sm_scale, weight=attn.o_proj.weight, residual=h,
+                   norm_weight=post, eps=eps)
+        nr = NormRope(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
+                      slot_mapping)
+        if fuse and decode_segment_ok(qkv, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
+                                      window, attn_impl, nr):
+            # batch-1 decode on Hopper: q/k norms, RoPE, the K/V write, attention and o_proj
+            # (+ residual, next norm) in one persistent launch (kernels.decode_segment)
+            return decode_segment(qkv, kv_cache, i, meta, norm_rope=nr, **seg)
+        # both norms, RoPE and the K/V write into the pool in one launch
+        q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                                cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,
+                                slot_mapping=slot_mapping, impl=attn_impl)
+        if fuse and decode_segment_ok(q, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
+                                      window, attn_impl):
+            return decode_segment(q, kv_cache, i, meta, **seg)
+        if fuse and verify_segment_ok(q, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
+                                      window, attn_impl):
+            # batch-1 verify (2-16 queries) on Hopper: the same, with matrix products
+            # (kernels.verify_segment)
+            return verify_segment(q, kv_cache, i, meta, **seg)
+        o = paged_attention(q, kv_cache, i, meta, sm_scale=self.sm_scale, sliding_window=window,
+                            impl=attn_impl)
+        if fuse:
+            return attn.project_out(o, product=functools.partial(
+                gemv_add_norm, residual=h, norm_weight=post, eps=eps, impl=attn_impl))
+        x, h = add_rms_norm(attn.project_out(o, product=functools.partial(gemv, impl=attn_impl)),
+                            post, eps, residual=h, impl=attn_impl)
+        return x, h, None
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[T, hidden]`` -> ``[T, vocab]`` float32 (tied or untied head)."""
