@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--variants", nargs="+", default=None,
                     help="the kernel's switches, colon-separated, missing ones as shipped: "
-                    "decode_segment RS:RREG:PDL, verify_segment NST:PREF (the kernels' source() "
+                    "decode_segment RS:RREG, verify_segment NST:PREF (the kernels' source() "
                     "documents them)")
     ap.add_argument("--queries", type=int, default=1,
                     help="query tokens: 1 times kernels.decode_segment, 2-16 "
@@ -87,10 +87,9 @@ def main() -> None:
     q_alone = rnd(nq, HQ, D, scale=1.0)
     shipped_v = (vseg if use_verify else seg).VARIANT
     if args.variants is None:
-        args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0:0", "16:0:1", "16:0:2",
-                                                                  "16:0:3"]
+        args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
     variants = [variant(v, shipped_v, "--variants") for v in args.variants]
-    knobs = "NST:PREF" if use_verify else "RS:RREG:PDL"
+    knobs = "NST:PREF" if use_verify else "RS:RREG"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE

@@ -156,10 +156,7 @@ class Kernel:
         self._k.set_shared_memory_config(smem)
         self.smem, self.threads = smem, threads
 
-    def __call__(self, args: list, pdl: bool = False) -> None:
-        """One launch; ``pdl``: as a programmatic dependent launch too (the kernel may start
-        while the previous kernel on the stream runs, and must ``griddepcontrol.wait`` before
-        it reads what that kernel, or any before it, wrote)."""
+    def __call__(self, args: list) -> None:
         vals = [a if isinstance(a, (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                     ctypes.c_float, ctypes.Array))
                 else ctypes.c_void_p(a.data_ptr()) for a in args]
@@ -167,36 +164,9 @@ class Kernel:
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         u = ctypes.c_uint
-        if not pdl:
-            self._check(self._lib.cuLaunchCooperativeKernel(
-                self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1),
-                u(self.smem), stream, params))
-            return
-        attrs = (_LaunchAttribute * 2)()
-        attrs[0].id, attrs[0].value = _ATTR_COOPERATIVE, 1
-        attrs[1].id, attrs[1].value = _ATTR_PROGRAMMATIC_SERIALIZATION, 1
-        cfg = _LaunchConfig(BLOCKS, 1, 1, self.threads, 1, 1, self.smem, stream,
-                            ctypes.cast(attrs, ctypes.c_void_p), 2)
-        self._check(self._lib.cuLaunchKernelEx(ctypes.byref(cfg), self._k.func, params, None))
-
-
-# cuda.h's CUlaunchAttribute (an int id, padding to 8 bytes, a 64-byte value union whose
-# first int is the value of both attributes used here) and CUlaunchConfig
-_ATTR_COOPERATIVE = 2                      # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-_ATTR_PROGRAMMATIC_SERIALIZATION = 6       # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class _LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_int), ("value", ctypes.c_int),
-                ("_rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
-                ("block_z", ctypes.c_uint), ("smem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
-                ("num_attrs", ctypes.c_uint)]
+        self._check(self._lib.cuLaunchCooperativeKernel(
+            self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1), u(self.smem),
+            stream, params))
 
 
 #: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,

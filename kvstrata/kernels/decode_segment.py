@@ -39,14 +39,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
+from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -57,12 +54,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, pdl, rope`` (``rope`` 0: the layer's q/k
-#: norm, RoPE and K/V write stay a launch of their own, :class:`NormRope` is refused)
-VARIANT = (SMEM_ROWS, 0, 0, 0)
-#: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
-#: replace :data:`VARIANT`'s first ones (e.g. ``16:0:2``)
-VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
+#: :func:`source`'s switches as shipped: ``rs, rreg``
+VARIANT = (SMEM_ROWS, 0)
 _LOG2E = math.log2(math.e)
 
 _SOURCE = r"""
@@ -74,9 +67,6 @@ _SOURCE = r"""
 #define RS %(rs)d
 #define RREG %(rreg)d
 #define STAMPS %(stamps)d
-#define PDL %(pdl)d
-#define ROPE %(rope)d
-#define NQ (NKV * GROUP)
 #define NW 8
 #define ROWS (RPW * NW)
 %(prelude)s
@@ -159,36 +149,6 @@ __device__ __forceinline__ void attend_page(const v4* kr, v4* vr, int p, int hi,
     }
 }
 
-#if ROPE
-// RMSNorm then rotate-half RoPE of one 128-dim head, this lane's 8 dims (8 * li ...), rounded
-// as layer_ops._norm_rope_heads rounds each product; every half-warp computes the whole head
-// (the sum of squares over its 16 lanes, the rotation's partner dims 64 away in lane li ^ 8).
-__device__ __forceinline__ v4 norm_rope8(const bf16_t* head, const bf16_t* wt, const float* cosp,
-                                         const float* sinp, int li, float eps) {
-    const unsigned FULL = 0xffffffffu;
-    float x[8], w[8], n[8], o[8];
-    unpack8(*(const v4*)(head + 8 * li), x);
-    unpack8(*(const v4*)(wt + 8 * li), w);
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ss = fmaf(x[j], x[j], ss);
-#pragma unroll
-    for (int off = 1; off < 16; off <<= 1) ss += __shfl_xor_sync(FULL, ss, off);
-    const float r = rsqrtf(ss / 128.f + eps);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) n[j] = bf(to_bf(w[j] * bf(to_bf(x[j] * r))));
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const float pn = __shfl_xor_sync(FULL, n[j], 8);
-        const float c = bf(to_bf(cosp[8 * li + j])), sn = bf(to_bf(sinp[8 * li + j]));
-        const float a = bf(to_bf(n[j] * c)), b = bf(to_bf(pn * sn));
-        o[j] = li < 8 ? a - b : a + b;    // [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
-    }
-    return v4{pack_bf(o[0], o[1]), pack_bf(o[2], o[3]), pack_bf(o[4], o[5]),
-              pack_bf(o[6], o[7])};
-}
-#endif
-
 // The merged attention output of query head qh, dim d: the SPLITS partials' weighted mean.
 __device__ __forceinline__ float merge_one(const float* part_o, const float* part_lse, int qh,
                                            int d) {
@@ -218,10 +178,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
                const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
                bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
-               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps,
-               const bf16_t* __restrict__ qn_w, const bf16_t* __restrict__ kn_w,
-               const float* __restrict__ cosp, const float* __restrict__ sinp,
-               const long long* __restrict__ slotp, float qk_eps) {
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* wsm = (bf16_t*)smem;                                        // RS rows of W
     float* red = (float*)(smem + RS * K_IN * 2);                       // [NW][GROUP][128]
@@ -234,13 +191,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const int c = blockIdx.x;
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
-#if PDL >= 2
-    // weights depend on nothing: their copies start while the previous kernel runs
-    if (tid == 0) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
-#endif
-#if PDL
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     // the epilogue's inputs for this warp's rows, read now
     float rres[RPW], rgam[RPW];
 #pragma unroll
@@ -256,31 +206,9 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     T = (T + 15) & ~15;
     const int lo = sidx * T, hi = min(lo + T, L);
     float qr[GROUP][8], m[GROUP], l[GROUP], acc[GROUP][8];
-#if ROPE
-    // q is the q/k/v product's row: this block's query heads and the new token's K (normed,
-    // rotated) and V of its KV head; the block whose split holds the token writes them into
-    // the pool, and every warp uses them in place of the page's (not yet written) row
-    const v4 knew = norm_rope8(q + (size_t)(NQ + h) * 128, kn_w, cosp, sinp, li, qk_eps);
-    const v4 vnew = *(const v4*)(q + (size_t)(NQ + NKV + h) * 128 + 8 * li);
-    const int last = L - 1;
-    if (L > 0 && last / T == sidx && warp == 0 && half == 0) {
-        const long long slot = *slotp;
-        if (slot >= 0) {
-            bf16_t* kd = (bf16_t*)kv + layer_off + (slot >> 4) * s_page + (long long)h * s_head
-                         + (slot & 15) * 128 + 8 * li;
-            *(v4*)kd = knew;
-            *(v4*)(kd + s_kv) = vnew;
-        }
-    }
-#endif
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-#if ROPE
-        unpack8(norm_rope8(q + (size_t)(GROUP * h + g) * 128, qn_w, cosp, sinp, li, qk_eps),
-                qr[g]);
-#else
         unpack8(*(const v4*)(q + (size_t)(GROUP * h + g) * 128 + 8 * li), qr[g]);
-#endif
 #pragma unroll
         for (int j = 0; j < 8; ++j) { qr[g][j] *= qk_scale; acc[g][j] = 0.f; }
         m[g] = NEG_INF; l[g] = 0.f;
@@ -293,9 +221,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     v4 kr[8], vr[8];
     if (npw > 0)
         load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
-#if PDL < 2
     if (tid == 0) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
-#endif
     for (int k = 0; k < npw; ++k) {
         v4 kn[8], vn[8];
         const int k1 = k + 1;
@@ -304,13 +230,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             load_page(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, s_kv, half,
                       li, kn, vn);
         }
-#if ROPE
-        if (p0 + k * NW == last >> 4) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (2 * i + half == (last & 15)) { kr[i] = knew; vr[i] = vnew; }
-        }
-#endif
         attend_page(kr, vr, p0 + k * NW, hi, half, qr, m, l, acc);
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
@@ -369,9 +288,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     STAMP(3)
     grid_barrier(ctr);
     STAMP(4)
-#if PDL >= 3
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 
     // 4. this block's o_proj rows: this lane's K_IN / 32 inputs in registers (bf16), the
     // warp's RPW rows (warp, warp + NW, ...) at once; rows below RS from shared memory
@@ -436,19 +352,14 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           pdl: int = 0, rope: int = 0, stamps: bool = False) -> str:
+           stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
-    ``pdl``: a programmatic dependent launch (1: it waits on the previous kernel first, 2: the
-    weight rows' copies start before that wait, 3: also lets the next kernel launch after the
-    second barrier); ``rope``: ``q`` is the q/k/v product's row, normed, rotated and its K/V
-    written here (:class:`NormRope`); ``stamps``: per-block phase timestamps,
-    ``benchmarks/segment_proto.py``)."""
+    ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
-                      "rreg": int(rreg), "pdl": int(pdl), "rope": int(bool(rope)),
-                      "stamps": int(stamps)}
+                      "rreg": int(rreg), "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -458,76 +369,31 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, pdl: int, rope: int, stamps: bool) -> Kernel:
+            rreg: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, pdl, rope, stamps),
-                      "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
-
-
-def _env_variant() -> tuple[int, ...]:
-    return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
-
-
-@dataclass(frozen=True)
-class NormRope:
-    """The rest of :func:`~.layer_ops.qkv_norm_rope`'s arguments, for :func:`decode_segment` to
-    do its work in the same launch: the ``[128]`` q and k RMSNorm weights and their ``eps``, the
-    token's ``[1, 128]`` float32 ``cos``/``sin`` rows and its pool slot (``slot_mapping``, int64
-    ``[1]``; negative: nothing is written)."""
-
-    q_weight: Tensor
-    k_weight: Tensor
-    eps: float
-    cos: Tensor
-    sin: Tensor
-    slot_mapping: Tensor
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps), "decode_segment",
+                      smem_bytes(group, k_in, rs), WARPS * 32)
 
 
 def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
-                      bias: Tensor | None, sliding_window: int | None, impl: str = "auto",
-                      norm_rope: NormRope | None = None) -> bool:
+                      bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
+                      ) -> bool:
     """Whether :func:`decode_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
     >= 128 SMs (and ``KVSTRATA_DECODE_SEGMENT`` not ``0``) for the shapes
-    :func:`segment_shapes_ok` takes; with ``norm_rope``, ``q`` is the q/k/v product ``[1, (Hq +
-    2 Hkv) * 128]`` and :func:`norm_rope_ok` must hold too."""
-    if not enabled(impl, q.device, SEGMENT_ENV, "1"):
-        return False
-    v = _env_variant()
-    if norm_rope is not None:
-        if not (v[3] and norm_rope_ok(q, kv_cache, weight, norm_rope)):
-            return False
-        q = q[:, :weight.shape[1]].view(1, -1, 128)
-    if not segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window):
+    :func:`segment_shapes_ok` takes."""
+    if not (enabled(impl, q.device, SEGMENT_ENV, "1")
+            and segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
-    return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0], v,
-                     norm_rope is not None)
-
-
-def norm_rope_ok(qkv: Tensor, kv_cache: Tensor, weight: Tensor, nr: NormRope) -> bool:
-    """The q/k/v row the kernel norms and rotates itself (any device): bf16 ``[1, (Hq + 2 Hkv)
-    * 128]``, contiguous and 16-byte aligned (``Hq * 128`` the o_proj's input width), bf16
-    ``[128]`` norm weights, float32 ``[1, 128]`` cos/sin rows and an int64 ``[1]`` slot."""
-    hq, hkv = weight.shape[1] // 128 if weight.dim() == 2 else 0, kv_cache.shape[3]
-
-    def vec(t, n, dt):
-        return t.shape[-1] == n and t.numel() == n and t.dtype == dt and t.is_contiguous() and (
-            t.data_ptr() % 16 == 0)
-
-    return (qkv.dim() == 2 and qkv.shape == (1, (hq + 2 * hkv) * 128)
-            and qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and qkv.data_ptr() % 16 == 0
-            and vec(nr.q_weight, 128, torch.bfloat16) and vec(nr.k_weight, 128, torch.bfloat16)
-            and vec(nr.cos, 128, torch.float32) and vec(nr.sin, 128, torch.float32)
-            and nr.slot_mapping.numel() == 1 and nr.slot_mapping.dtype == torch.int64)
+    return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int,
-              v: tuple[int, ...], rope: bool) -> bool:
+def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *v[:3], int(rope), False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *VARIANT, False),
                     f"kernels.decode_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 decode keeps the Triton attention + o_proj launches")
@@ -560,28 +426,21 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, norm_rope: NormRope | None = None,
-                   _variant: tuple[int, ...] | None = None,
+                   eps: float, _variant: tuple[int, ...] = VARIANT,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(1, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
-    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. With
-    ``norm_rope`` (:func:`norm_rope_ok`), ``q`` is the q/k/v product's row and the launch also
-    does what :func:`~.layer_ops.qkv_norm_rope` would have done before it: q and k normed and
-    rotated, the token's K and V written into the pool at its slot.
+    ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, pdl``; ``None``: :data:`VARIANT_ENV` or
-    :data:`VARIANT`) and ``_stamps`` (int64, ``BLOCKS * 8``: per-block phase timestamps) are
-    for ``benchmarks/segment_proto.py``."""
+    ``_variant`` (:func:`source`'s ``rs, rreg``) and ``_stamps``
+    (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
-    hq, hkv = k_in // 128, kv_cache.shape[3]
+    hq, hkv = q.shape[1], kv_cache.shape[3]
     if residual.shape != (1, n) or norm_weight.shape != (n,):
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    v = _variant or _env_variant()
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *v[:3], int(norm_rope is not None),
-                   _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_variant, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -590,17 +449,12 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     h = torch.empty((1, n), dtype=torch.bfloat16, device=dev)
     ss = torch.empty((1, BLOCKS), dtype=torch.float32, device=dev)
     s = kv_cache.stride()
-    nr = norm_rope
-    rope_args = ([nr.q_weight, nr.k_weight, nr.cos, nr.sin, nr.slot_mapping,
-                  ctypes.c_float(nr.eps)] if nr is not None
-                 else [ctypes.c_void_p(0)] * 5 + [ctypes.c_float(0.0)])
     kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0), *rope_args], pdl=v[2] > 0)
+          _stamps if _stamps is not None else ctypes.c_void_p(0)])
     return out, h, RowRms(ss, n, eps)
 
 
-__all__ = ["SEGMENT_ENV", "NormRope", "decode_segment", "decode_segment_ok", "norm_rope_ok",
-           "segment_shapes_ok"]
+__all__ = ["SEGMENT_ENV", "decode_segment", "decode_segment_ok", "segment_shapes_ok"]

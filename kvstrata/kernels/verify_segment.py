@@ -27,10 +27,13 @@ No float atomics, fixed summation orders: graph replay equals eager bit for bit.
 differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
 tests bound it). :func:`verify_segment_ok` says where it applies (sm_90, >= 128 SMs, one
 sequence, 2-16 causal queries, a bf16 page-major pool of 16-token pages and 128-dim heads, no
-sliding window or o_proj bias, shapes below) when ``KVSTRATA_VERIFY_SEGMENT=1``. It is off by
-default: measured in the step (sixteenth runner session) it shortens the verify-16 graph at 1k
-(4.74 -> 4.60 ms) but its attention phase is slower than the Triton kernel's at 8k (22.5 us
-against ~16 per layer), and the speculative step at 8k lengthens (5.99 -> 6.11 ms).
+sliding window or o_proj bias, shapes below) for the query counts of :data:`DEFAULT_QUERIES`
+(``KVSTRATA_VERIFY_SEGMENT=1``: every count from 2 to 16; ``0``: none). Measured in the step
+(docs/benchmarks.md, eighteenth runner session, contexts 1k-8k): the speculative step at
+verify width 8 is faster with it at every context (5.45 against 5.56 ms at 1k, 5.72 against
+5.91 at 4k, 6.02 against 6.11 at 8k); at width 16 it gains ~0.05 ms at 1k and loses from 2k on
+(5.12 against 4.99 ms for the verify-16 graph at 8k: its attention phase is slower than the
+Triton kernel's), and widths 2 and 4 lose from 4k on.
 """
 
 from __future__ import annotations
@@ -48,9 +51,13 @@ from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter,
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
-#: ``KVSTRATA_VERIFY_SEGMENT=1`` puts batch-1 verify on this kernel where it applies (default
-#: ``0``: the Triton attention + merge + ``gemv_add_norm`` launches).
+#: ``KVSTRATA_VERIFY_SEGMENT=1`` puts every batch-1 verify on this kernel where it applies, ``0``
+#: none (the Triton attention + merge + ``gemv_add_norm`` launches); unset: the query counts of
+#: :data:`DEFAULT_QUERIES`.
 SEGMENT_ENV = "KVSTRATA_VERIFY_SEGMENT"
+#: query tokens per launch the kernel serves unless ``KVSTRATA_VERIFY_SEGMENT`` says otherwise
+#: (see the module: the runner's verify width 8)
+DEFAULT_QUERIES = frozenset({8})
 WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
@@ -472,9 +479,11 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
                       bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
                       ) -> bool:
     """Whether :func:`verify_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
-    >= 128 SMs with ``KVSTRATA_VERIFY_SEGMENT=1`` (off by default, see the module) for the shapes
-    :func:`segment_shapes_ok` takes."""
-    if not (enabled(impl, q.device, SEGMENT_ENV, "0")
+    >= 128 SMs, ``meta.max_query_len`` in :data:`DEFAULT_QUERIES` (any with
+    ``KVSTRATA_VERIFY_SEGMENT=1``, none with ``0``), for the shapes :func:`segment_shapes_ok`
+    takes."""
+    if not (enabled(impl, q.device, SEGMENT_ENV, "")
+            and (os.environ.get(SEGMENT_ENV) == "1" or meta.max_query_len in DEFAULT_QUERIES)
             and segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
@@ -555,4 +564,5 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     return out, h, RowRms(ss, n, eps)
 
 
-__all__ = ["SEGMENT_ENV", "segment_shapes_ok", "verify_segment", "verify_segment_ok"]
+__all__ = ["DEFAULT_QUERIES", "SEGMENT_ENV", "segment_shapes_ok", "verify_segment",
+           "verify_segment_ok"]

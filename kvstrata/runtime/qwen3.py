@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..dtypes import canonical_dtype, dtype_name
 from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
-from ..kernels.decode_segment import NormRope, decode_segment, decode_segment_ok
+from ..kernels.decode_segment import decode_segment, decode_segment_ok
 from ..kernels.gemv import RowRms, gemv, gemv_add_norm, gemv_ok
 from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
 from ..kernels.verify_segment import verify_segment, verify_segment_ok
@@ -303,19 +303,14 @@ class Qwen3Model(nn.Module):
         eps, hq, hkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
         seg = dict(sm_scale=self.sm_scale, weight=attn.o_proj.weight, residual=h,
                    norm_weight=post, eps=eps)
-        nr = NormRope(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
-                      slot_mapping)
-        if fuse and decode_segment_ok(qkv, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
-                                      window, attn_impl, nr):
-            # batch-1 decode on Hopper: q/k norms, RoPE, the K/V write, attention and o_proj
-            # (+ residual, next norm) in one persistent launch (kernels.decode_segment)
-            return decode_segment(qkv, kv_cache, i, meta, norm_rope=nr, **seg)
         # both norms, RoPE and the K/V write into the pool in one launch
         q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                                 cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,
                                 slot_mapping=slot_mapping, impl=attn_impl)
         if fuse and decode_segment_ok(q, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
                                       window, attn_impl):
+            # batch-1 decode on Hopper: attention and o_proj (+ residual, next norm) in one
+            # persistent launch (kernels.decode_segment)
             return decode_segment(q, kv_cache, i, meta, **seg)
         if fuse and verify_segment_ok(q, kv_cache, meta, attn.o_proj.weight, attn.o_proj.bias,
                                       window, attn_impl):

@@ -17,7 +17,6 @@ from kvstrata.kernels import decode_segment as ds
 from kvstrata.kernels.attention import paged_attention
 from kvstrata.kernels.attention_plan import plan_attention
 from kvstrata.kernels.gemv import gemv_add_norm
-from kvstrata.kernels.layer_ops import qkv_norm_rope, rope_cos_sin_rows
 
 from segment_checks import graph_replay_equals_eager
 
@@ -104,66 +103,6 @@ def test_cuda_equals_the_triton_path(ctx, shape, mark, monkeypatch):
     # what it writes is what it computes from its own h: g * h and the sums of squares
     assert torch.equal(x, (gam.float() * h.float()).to(torch.bfloat16))
     torch.testing.assert_close(rms.parts.sum(), h.float().square().sum(), rtol=1e-5, atol=0)
-
-
-def _norm_rope_case(device, ctx, hq=32, hkv=8, seed=0):
-    """A q/k/v product row and what qkv_norm_rope takes besides it, the token at ctx - 1."""
-    q, kv, meta, w, res, gam = _case(device, ctx, hq, hkv, seed=seed)
-    g = torch.Generator(device="cpu").manual_seed(seed + 1)
-    qkv = (torch.randn(1, (hq + 2 * hkv) * 128, generator=g) * 3).to(torch.bfloat16).to(device)
-    qw, kw = ((1 + 0.2 * torch.randn(2, 128, generator=g)).to(torch.bfloat16).to(device))
-    inv = 1e6 ** (-torch.arange(0, 128, 2, dtype=torch.float32) / 128)
-    pos = torch.tensor([ctx - 1], device=device)
-    cos, sin = rope_cos_sin_rows(pos, inv.to(device), 1.0)
-    page = meta.block_tables[0, (ctx - 1) // 16].item()
-    slot = torch.tensor([page * 16 + (ctx - 1) % 16], device=device)
-    return qkv, ds.NormRope(qw, kw, 1e-6, cos, sin, slot), kv, meta, w, res, gam
-
-
-def test_norm_rope_shapes_it_takes_and_refuses():
-    qkv, nr, kv, meta, w, *_ = _norm_rope_case("cpu", 100)
-    assert ds.norm_rope_ok(qkv, kv, w, nr)
-    refused = {
-        "two tokens": (torch.cat([qkv, qkv]), nr),
-        "fp16 row": (qkv.half(), nr),
-        "a row of another width": (qkv[:, :-128], nr),
-        "cos float64": (qkv, dataclasses.replace(nr, cos=nr.cos.double())),
-        "sin of two rows": (qkv, dataclasses.replace(nr, sin=torch.cat([nr.sin, nr.sin]))),
-        "fp32 norm weight": (qkv, dataclasses.replace(nr, k_weight=nr.k_weight.float())),
-        "int32 slot": (qkv, dataclasses.replace(nr, slot_mapping=nr.slot_mapping.int())),
-    }
-    for why, (row, n) in refused.items():
-        assert not ds.norm_rope_ok(row, kv, w, n), why
-    # the CPU never runs it
-    assert not ds.decode_segment_ok(qkv, kv, meta, w, None, None, norm_rope=nr)
-
-
-@pytest.mark.parametrize("ctx", [1, 16, 17, 1000, 8192])
-@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_norm_rope_in_the_launch(ctx, mark):
-    """q/k norm, RoPE and the K/V write folded into the launch: the pool gets what
-    qkv_norm_rope writes, and the outputs are those of qkv_norm_rope + the segment."""
-    qkv, nr, kv, meta, w, res, gam = _norm_rope_case("cuda", ctx, seed=ctx)
-    assert ds.decode_segment_ok(qkv, kv, meta, w, None, None, norm_rope=nr)
-    kv_ref, before = kv.clone(), kv.clone()
-    q, _, _ = qkv_norm_rope(qkv, nr.q_weight, nr.k_weight, nr.eps, nr.cos, nr.sin, 32, 8,
-                            kv_cache=kv_ref, layer=1, slot_mapping=nr.slot_mapping)
-    want = _segment(q, kv_ref, 1, meta, w, res, gam)
-    got = ds.decode_segment(qkv, kv, 1, meta, sm_scale=128 ** -0.5, weight=w, residual=res,
-                            norm_weight=gam, eps=1e-6, norm_rope=nr)
-    torch.cuda.synchronize()
-    # one bf16 rounding step at most where the sums of squares add up in another order
-    diff = (kv.float() - kv_ref.float()).abs()
-    assert diff.max().item() <= 2 ** -7 * kv_ref.float().abs().max().item()
-    assert (diff > 0).sum().item() <= 16, (diff > 0).sum().item()
-    assert not torch.equal(kv, before), "nothing written"
-    for a, b in zip(got[:2], want[:2]):
-        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
-    if ctx > 1234:   # (the check replays at length 1234 too)
-        graph_replay_equals_eager(
-            lambda m: ds.decode_segment(qkv, kv, 1, m, sm_scale=128 ** -0.5, weight=w,
-                                        residual=res, norm_weight=gam, eps=1e-6, norm_rope=nr),
-            meta)
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])

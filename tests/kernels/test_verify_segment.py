@@ -160,6 +160,14 @@ def test_cuda_switch_turns_it_off(mark, monkeypatch):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_default_serves_eight_queries(mark, monkeypatch):
+    monkeypatch.delenv(vs.SEGMENT_ENV, raising=False)
+    for t in (2, 4, 8, 16):
+        q, kv, meta, w, *_ = _case("cuda", 100, t)
+        assert vs.verify_segment_ok(q, kv, meta, w, None, None) == (t in vs.DEFAULT_QUERIES), t
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_qwen3_batch1_verify_takes_it(mark, tmp_path, monkeypatch):
     """A Qwen3 with 128-dim heads (16 query, 4 KV heads, hidden 2048) runs batch-1 verify
     steps of 16 and 5 tokens through the segment, one launch per layer, and its hidden states
