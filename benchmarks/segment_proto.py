@@ -89,7 +89,7 @@ def main() -> None:
     if args.variants is None:
         args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
     variants = [variant(v, shipped_v, "--variants") for v in args.variants]
-    knobs = "NST:PREF" if use_verify else "RS:RREG"
+    knobs = "NST:PREF:WG" if use_verify else "RS:RREG"
     stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE

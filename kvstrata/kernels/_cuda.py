@@ -148,11 +148,13 @@ class Kernel:
     :data:`BLOCKS` blocks of ``threads`` on the current stream. Arguments: tensors (their
     addresses), ``ctypes`` scalars, or a tensor map (:func:`tensor_map_2d`, by value)."""
 
-    def __init__(self, src: str, name: str, smem: int, threads: int):
+    def __init__(self, src: str, name: str, smem: int, threads: int, arch: str | None = None):
         from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
         self._check = _check_cuda
         self._lib = _get_gpu_runtime_library()
-        self._k = torch.cuda._compile_kernel(src, name, nvcc_options=["-std=c++17"])
+        # arch: NVRTC's target (e.g. "90a" for warpgroup products); None: the device's own
+        self._k = torch.cuda._compile_kernel(src, name, compute_capability=arch,
+                                             nvcc_options=["-std=c++17"])
         self._k.set_shared_memory_config(smem)
         self.smem, self.threads = smem, threads
 

@@ -62,8 +62,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref``
-VARIANT = (STAGES, 0)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg``
+VARIANT = (STAGES, 0, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -88,8 +88,66 @@ _SOURCE = r"""
 #define WP (K_IN * 2 + 16)
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
+#define WG %(wg)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
+#if WG
+static_assert(GROUP == 4 && NW == 8, "a warpgroup is one KV head's 4 query heads x 16 tokens");
+// Hopper warpgroup products (sm_90a). A shared-memory matrix descriptor: start address,
+// leading and stride byte offsets (16-byte units), the 128-byte swizzle.
+__device__ __forceinline__ u64 gdesc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32)
+           | (1ull << 62);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %%0;" :: "n"(N) : "memory");
+}
+// the accumulators as operands of an empty volatile asm: the compiler keeps their reads and
+// writes on the right side of the fences and waits
+__device__ __forceinline__ void wg_keep8(float* d) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) asm volatile("" : "+f"(d[k]) :: "memory");
+}
+__device__ __forceinline__ void wg_keep64(float* d) {
+#pragma unroll
+    for (int k = 0; k < 64; ++k) asm volatile("" : "+f"(d[k]) :: "memory");
+}
+// d (m64n16, float32) = / += a (registers, the warp's 16 rows x k16) * B (K-major, desc)
+template <int ACC> __device__ __forceinline__ void wg_s(float* d, const u32* a, u64 desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %%13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7}, {%%8, %%9, %%10, %%11}, %%12, p, 1, 1, 0;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(ACC));
+}
+// d (m64n128, float32) += a (registers) * B (MN-major: transposed, desc)
+__device__ __forceinline__ void wg_pv(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %%69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7, %%8, %%9, %%10, %%11, %%12, %%13, %%14, %%15, "
+                 "%%16, %%17, %%18, %%19, %%20, %%21, %%22, %%23, %%24, %%25, %%26, %%27, %%28, %%29, %%30, %%31, "
+                 "%%32, %%33, %%34, %%35, %%36, %%37, %%38, %%39, %%40, %%41, %%42, %%43, %%44, %%45, %%46, %%47, "
+                 "%%48, %%49, %%50, %%51, %%52, %%53, %%54, %%55, %%56, %%57, %%58, %%59, %%60, %%61, %%62, %%63}, "
+                 "{%%64, %%65, %%66, %%67}, %%68, p, 1, 1, 1;\n}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+                   "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+                   "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
@@ -192,6 +250,36 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
             const u32 sb = sa(ring) + st * 8192;
+#if WG
+            // the warpgroup (this KV head's GROUP = 4 query heads x 16 tokens: m64) multiplies
+            // the page straight from the ring: S = Q K^T as eight m64n16k16 (K-major K, the
+            // k-step 32 bytes along the 128-byte swizzled row), then O += P V as one m64n128k16
+            // (V MN-major); the fragments are the mma.m16n8k16 ones of each warp's 16 rows
+            const int k0 = lo + i * 16;
+            if (k0 + 16 > hi) {
+                // V rows past the split (the sequence's last page) may hold anything: zeroed
+                // in the ring before the tensor cores read them
+                const int wt = tid & 127;
+                for (int z = wt; z < 16 * 16; z += 128) {
+                    const int row = z >> 4, ch = z & 15;
+                    if (k0 + row >= hi)
+                        *(v4*)(ring + st * 8192 + 4096 + (ch >> 3) * 2048 + row * 128
+                               + (ch & 7) * 16) = v4{0u, 0u, 0u, 0u};
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                asm volatile("bar.sync %%0, 128;" :: "r"(1 + par) : "memory");
+            }
+            float s[2][4];
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks) {
+                const u64 d = gdesc(sb + (ks >> 2) * 2048 + (ks & 3) * 32, 16, 1024);
+                if (ks == 0) wg_s<0>(&s[0][0], qa[ks], d); else wg_s<1>(&s[0][0], qa[ks], d);
+            }
+            wg_commit();
+            wg_wait<0>();
+            wg_keep8(&s[0][0]);
+#else
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
@@ -203,7 +291,10 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 mma_bf16(s[0], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
                 mma_bf16(s[1], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b2, b3);
             }
+#endif
+#if !WG
             const int k0 = lo + i * 16;
+#endif
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
             for (int j = 0; j < 2; ++j)
@@ -238,6 +329,14 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             }
             const u32 pa0 = pack_bf(s[0][0], s[0][1]), pa1 = pack_bf(s[0][2], s[0][3]);
             const u32 pa2 = pack_bf(s[1][0], s[1][1]), pa3 = pack_bf(s[1][2], s[1][3]);
+#if WG
+            wg_keep64(&o[0][0]);
+            wg_fence();
+            wg_pv(&o[0][0], pa0, pa1, pa2, pa3, gdesc(sb + 4096, 2048, 1024));
+            wg_commit();
+            wg_wait<0>();
+            wg_keep64(&o[0][0]);
+#else
             // V rows past the split (the sequence's last page) may hold anything: zero them
             const int kv0 = k0 + 2 * qd;
             const u32 keep0 = (kv0 < hi ? 0xffffu : 0u) | (kv0 + 1 < hi ? 0xffff0000u : 0u);
@@ -253,6 +352,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 mma_bf16(o[2 * u], pa0, pa1, pa2, pa3, v0 & keep0, v1 & keep1);
                 mma_bf16(o[2 * u + 1], pa0, pa1, pa2, pa3, v2 & keep0, v3 & keep1);
             }
+#endif
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
@@ -450,12 +550,14 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
-    in shared memory after the first barrier; ``stamps``: per-block phase timestamps)."""
+    in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
+    4 query heads per KV head only; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "stamps": int(stamps)}
+                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg),
+                      "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -469,10 +571,12 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, stamps: bool) -> Kernel:
+            pref: int, wg: int, stamps: bool) -> Kernel:
+    wg = int(bool(wg) and group == 4)
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, stamps), "verify_segment",
-                      smem_bytes(k_in, n_out, stages), THREADS)
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, stamps),
+                      "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
+                      arch="90a" if wg else None)
 
 
 def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,

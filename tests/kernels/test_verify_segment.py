@@ -213,9 +213,10 @@ def test_cuda_qwen3_batch1_verify_takes_it(mark, tmp_path, monkeypatch):
 
 
 def test_variant_from_the_environment(monkeypatch):
+    monkeypatch.delenv(vs.VARIANT_ENV, raising=False)
     assert vs._env_variant() == vs.VARIANT
     monkeypatch.setenv(vs.VARIANT_ENV, "10:1")
-    assert vs._env_variant() == (10, 1)
+    assert vs._env_variant() == (10, 1) + vs.VARIANT[2:]
     monkeypatch.setenv(vs.VARIANT_ENV, "10")
     assert vs._env_variant() == (10,) + vs.VARIANT[1:]
     monkeypatch.setenv(vs.VARIANT_ENV, "8:x")
