@@ -39,11 +39,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
-from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter
+from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -54,8 +55,11 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg``
-VARIANT = (SMEM_ROWS, 0)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate``
+VARIANT = (SMEM_ROWS, 0, 0)
+#: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
+#: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
+VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
 _LOG2E = math.log2(math.e)
 
 _SOURCE = r"""
@@ -66,6 +70,7 @@ _SOURCE = r"""
 #define RPW %(rpw)d
 #define RS %(rs)d
 #define RREG %(rreg)d
+#define RLATE %(rlate)d
 #define STAMPS %(stamps)d
 #define NW 8
 #define ROWS (RPW * NW)
@@ -221,7 +226,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     v4 kr[8], vr[8];
     if (npw > 0)
         load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
-    if (tid == 0) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
+    if (tid == 0 && !RLATE) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
     for (int k = 0; k < npw; ++k) {
         v4 kn[8], vn[8];
         const int k1 = k + 1;
@@ -234,6 +239,8 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
     }
+    // RLATE: the weight rows once warp 0 has read its pages (they compete with the K/V)
+    if (tid == 0 && RLATE) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
     // the two half-warps' states, then the warps' through shared memory
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
@@ -351,15 +358,19 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 """
 
 
+def _env_variant() -> tuple[int, ...]:
+    return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
+
+
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           stamps: bool = False) -> str:
+           rlate: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
-                      "rreg": int(rreg), "stamps": int(stamps)}
+                      "rreg": int(rreg), "rlate": int(rlate), "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -369,10 +380,10 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, stamps: bool) -> Kernel:
+            rreg: int, rlate: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, stamps), "decode_segment",
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), "decode_segment",
                       smem_bytes(group, k_in, rs), WARPS * 32)
 
 
@@ -393,7 +404,7 @@ def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *VARIANT, False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
                     f"kernels.decode_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 decode keeps the Triton attention + o_proj launches")
@@ -426,13 +437,14 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, _variant: tuple[int, ...] = VARIANT,
+                   eps: float, _variant: tuple[int, ...] | None = None,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(1, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg``) and ``_stamps``
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate``; ``None``: :data:`VARIANT` or what
+    ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]
@@ -440,7 +452,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_variant, _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
+                   _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
