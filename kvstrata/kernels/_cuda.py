@@ -224,20 +224,18 @@ def compiles(build: Callable[[], object], what: str, fallback: str) -> bool:
 
 
 #: CUtensorMap enums (cuda.h)
-_BF16, _SWIZZLE_128B = 9, 3
+_BF16, _SWIZZLE_128B, _L2_PROMOTION_128B = 9, 3, 2
 _MAPS: dict[tuple, ctypes.Array] = {}
 
 
-def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int, l2_promotion: int = 128
-                  ) -> ctypes.Array:
+def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int) -> ctypes.Array:
     """A tensor map over the bf16 tensor ``t`` seen as rows of its last dimension (contiguous),
     boxes of ``box_rows x box_cols`` (``box_cols * 2 == 128`` bytes: the 128-byte swizzle, so
     ``ldmatrix`` reads of 8 rows hit 8 different bank groups: chunk ``c`` of row ``r`` lands at
-    chunk ``c ^ (r % 8)``; ``l2_promotion``: L2 fills of 128 or 256 bytes). Cached per
-    (address, shape, promotion): a pool keeps its storage."""
+    chunk ``c ^ (r % 8)``). Cached per (address, shape): a pool keeps its storage."""
     cols = t.shape[-1]
     rows = t.numel() // cols
-    key = (t.data_ptr(), rows, cols, box_rows, box_cols, l2_promotion)
+    key = (t.data_ptr(), rows, cols, box_rows, box_cols)
     m = _MAPS.get(key)
     if m is None:
         if (t.dtype != torch.bfloat16 or not t.is_contiguous() or box_cols * 2 != 128
@@ -254,7 +252,6 @@ def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int, l2_promotion: int = 1
         _check_cuda(_get_gpu_runtime_library().cuTensorMapEncodeTiled(
             ctypes.byref(m), ctypes.c_int(_BF16), ctypes.c_uint32(2),
             ctypes.c_void_p(t.data_ptr()), dims, strides, box, one, ctypes.c_int(0),
-            ctypes.c_int(_SWIZZLE_128B), ctypes.c_int({128: 2, 256: 3}[l2_promotion]),
-            ctypes.c_int(0)))
+            ctypes.c_int(_SWIZZLE_128B), ctypes.c_int(_L2_PROMOTION_128B), ctypes.c_int(0)))
         _MAPS[key] = m
     return m

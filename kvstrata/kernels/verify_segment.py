@@ -1,21 +1,23 @@
 """Batch-1 verify: attention of 2-16 query tokens and the o_proj product in one persistent launch
-(Hopper, CUDA C++ with tensor-core ``mma``).
+(Hopper, CUDA C++ with tensor-core products).
 
 A batch-1 verify-16 step (the target's forward over the last token and the drafts) spends ~27
 us per layer at 1k in attention, the merge of its splits and o_proj, three launches that each
 wait for the previous one (H200, docs/benchmarks.md, sixteenth runner session).
-:func:`verify_segment`
-runs them as one launch of 128 blocks, one per SM, all resident (a cooperative launch), the
-batch-1 decode segment's plan (:mod:`.decode_segment`) with matrix products:
+:func:`verify_segment` runs them as one launch of 128 blocks, one per SM, all resident (a
+cooperative launch), the batch-1 decode segment's plan (:mod:`.decode_segment`) with matrix
+products:
 
 1. a producer warp per block brings the pages of one (KV head, split) into a ring of
-   shared-memory stages with Hopper tensor copies (128-byte swizzle), and the block's first 16
-   o_proj weight rows with bulk copies, spread over the pages so they do not delay the first
-   K/V loads;
-2. eight warps compute the split's attention: a warp owns one query head's 16 (token) rows
-   and every other page (``QK^T`` and ``PV`` by ``mma.m16n8k16``, online softmax in float32,
-   causal and length masks, V rows past the sequence zeroed) and the two warps of a head merge
-   in shared memory into the split's normalised partial and log-sum-exp (base 2);
+   shared-memory stages with Hopper tensor copies (128-byte swizzle), then the block's first 16
+   o_proj weight rows with bulk copies (after the pages: among them they slowed the pages);
+2. eight warps compute the split's attention, a warp per query head's 16 (token) rows, two
+   warps per head over every other page, online softmax in float32, causal and length masks,
+   V rows past the sequence zeroed. With 4 query heads per KV head the four warps of a head
+   group are a warpgroup and multiply a page straight from the ring (``wgmma``, sm_90a):
+   ``QK^T`` as eight m64n16k16, ``PV`` as one m64n128k16; other groupings use per-warp
+   ``mma.m16n8k16`` with ``ldmatrix``. The two warps of a head merge in shared memory into the
+   split's normalised partial and log-sum-exp (base 2);
 3. a grid barrier; each block merges ``16 * Hq / 128`` (token, head) rows of the splits into
    the bf16 attention output; a second grid barrier;
 4. each block multiplies its ``N / 128`` o_proj rows (16 from shared memory, the rest from
@@ -28,12 +30,11 @@ differ from the Triton attention + ``gemv_add_norm`` path only by summation orde
 tests bound it). :func:`verify_segment_ok` says where it applies (sm_90, >= 128 SMs, one
 sequence, 2-16 causal queries, a bf16 page-major pool of 16-token pages and 128-dim heads, no
 sliding window or o_proj bias, shapes below) for the query counts of :data:`DEFAULT_QUERIES`
-(``KVSTRATA_VERIFY_SEGMENT=1``: every count from 2 to 16; ``0``: none). Measured in the step
-(docs/benchmarks.md, eighteenth runner session, contexts 1k-8k): the speculative step at
-verify width 8 is faster with it at every context (5.45 against 5.56 ms at 1k, 5.72 against
-5.91 at 4k, 6.02 against 6.11 at 8k); at width 16 it gains ~0.05 ms at 1k and loses from 2k on
-(5.12 against 4.99 ms for the verify-16 graph at 8k: its attention phase is slower than the
-Triton kernel's), and widths 2 and 4 lose from 4k on.
+(4 query heads per KV head) or :data:`DEFAULT_QUERIES_MMA` (``KVSTRATA_VERIFY_SEGMENT=1``:
+every count from 2 to 16; ``0``: none). Measured in the step (docs/benchmarks.md, nineteenth
+runner session, Qwen3-8B shape): verify-16 graph 4.62-4.63 ms against the Triton path's 4.77
+at 1k, 5.01-5.02 against 5.01 at 8k; the speculative step at width 8 5.91 against 6.03 ms at
+8k. Widths 2 and 4 were not measured with this build (the ``mma`` build lost there from 4k).
 """
 
 from __future__ import annotations
@@ -55,15 +56,17 @@ from .gemv import RowRms
 #: none (the Triton attention + merge + ``gemv_add_norm`` launches); unset: the query counts of
 #: :data:`DEFAULT_QUERIES`.
 SEGMENT_ENV = "KVSTRATA_VERIFY_SEGMENT"
-#: query tokens per launch the kernel serves unless ``KVSTRATA_VERIFY_SEGMENT`` says otherwise
-#: (see the module: the runner's verify width 8)
-DEFAULT_QUERIES = frozenset({8})
+#: query tokens per launch the warpgroup build (4 query heads per KV head) serves unless
+#: ``KVSTRATA_VERIFY_SEGMENT`` says otherwise (see the module: verify widths 8 and 16)
+DEFAULT_QUERIES = frozenset({8, 16})
+#: the same for the ``mma`` build (other groupings; measured in the eighteenth session)
+DEFAULT_QUERIES_MMA = frozenset({8})
 WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
 #: :func:`source`'s switches as shipped: ``stages, pref, wg``
-VARIANT = (STAGES, 0, 0, 0, 128)
+VARIANT = (STAGES, 0, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -89,7 +92,6 @@ _SOURCE = r"""
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
 #define WG %(wg)d
-#define TL %(tl)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 #if WG
@@ -201,12 +203,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 
     if (warp == NW) {
         // 1. the producer warp: pages into the ring (their ids read 32 at a time, one per
-        // lane), the weight rows spread over the later pages; lane 0 issues the copies
-        const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
-        if (lane == 0) mbar_expect(wbar, 16 * K_IN * 2);
-        const int fill = min(np, NST);
-        const int at_fill = max(0, 16 - (np - fill));
-        int issued = 0;
+        // lane), then the weight rows (issued among the pages they slowed the pages: at 8k
+        // the attention phase took 21.2 us against 18.4, nineteenth runner session); lane 0
+        // issues the copies
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
@@ -214,22 +213,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
             const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
             const int st = i %% NST;
-#if TL == 2
-            const int want = 0;   // the weight rows after every page (a measurement variant)
-#else
-            const int want = i < fill - 1 ? 0 : (i == fill - 1 ? at_fill : issued + 1);
-#endif
-#if TL == 1
-            if (lane == 0) {
-                if (i >= NST) mbar_wait(empty + st, ((i / NST) - 1) & 1);
-                mbar_expect(full + st, 8192);
-            }
-            __syncwarp();
-            if (lane < 4)
-                tensor_copy(sa(ring) + st * 8192 + lane * 2048, &kvmap, (lane & 1) * 64,
-                            y + (lane >> 1) * NKV * 16, full + st);
-            if (lane == 0) {
-#else
             if (lane == 0) {
                 if (i >= NST) mbar_wait(empty + st, ((i / NST) - 1) & 1);
                 const u32 dst = sa(ring) + st * 8192;
@@ -238,16 +221,15 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 tensor_copy(dst + 2048, &kvmap, 64, y, full + st);
                 tensor_copy(dst + 4096, &kvmap, 0, y + NKV * 16, full + st);
                 tensor_copy(dst + 6144, &kvmap, 64, y + NKV * 16, full + st);
-#endif
-                for (int r = issued; r < min(want, 16); ++r)
-                    bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
             }
-            issued = max(issued, min(want, 16));
             __syncwarp();
         }
-        if (lane == 0)
-            for (int r = issued; r < 16; ++r)
+        if (lane == 0) {
+            const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
+            mbar_expect(wbar, 16 * K_IN * 2);
+            for (int r = 0; r < 16; ++r)
                 bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
+        }
     } else {
         // 2. one query head's 16 rows over every WPM-th page of the split
         const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
@@ -263,107 +245,10 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             qa[s][3] = r0 + 8 < nq ? *(const u32*)(q1 + 8) : 0u;
         }
         const int qp0 = L - nq + r0, qp1 = qp0 + 8;
-#if WG == 3
-        // two of the warpgroup's pages per iteration: their S products as two independent
-        // chains, one softmax update over 32 tokens, two PV products
-        for (int i = par; i < np; i += 2 * WPM) {
-            const int i2 = i + WPM;
-            const bool two = i2 < np;
-            const int st = i %% NST, st2 = i2 %% NST;
-            mbar_wait(full + st, (i / NST) & 1);
-            if (two) mbar_wait(full + st2, (i2 / NST) & 1);
-            const u32 sb = sa(ring) + st * 8192, sb2 = sa(ring) + st2 * 8192;
-            const int k0 = lo + i * 16, k2 = lo + i2 * 16;
-            const int kl = two ? k2 : k0;   // only the split's last page can be partial
-            if (kl + 16 > hi) {
-                const int wt = tid & 127, sl = two ? st2 : st;
-                for (int z = wt; z < 16 * 16; z += 128) {
-                    const int row = z >> 4, ch = z & 15;
-                    if (kl + row >= hi)
-                        *(v4*)(ring + sl * 8192 + 4096 + (ch >> 3) * 2048 + row * 128
-                               + (ch & 7) * 16) = v4{0u, 0u, 0u, 0u};
-                }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                asm volatile("bar.sync %%0, 128;" :: "r"(1 + par) : "memory");
-            }
-            float s[4][4];
-            wg_fence();
-#pragma unroll
-            for (int ks = 0; ks < 8; ++ks) {
-                const u32 off = (ks >> 2) * 2048 + (ks & 3) * 32;
-                if (ks == 0) wg_s<0>(&s[0][0], qa[ks], gdesc(sb + off, 16, 1024));
-                else wg_s<1>(&s[0][0], qa[ks], gdesc(sb + off, 16, 1024));
-                if (two) {
-                    if (ks == 0) wg_s<0>(&s[2][0], qa[ks], gdesc(sb2 + off, 16, 1024));
-                    else wg_s<1>(&s[2][0], qa[ks], gdesc(sb2 + off, 16, 1024));
-                }
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_keep8(&s[0][0]);
-            wg_keep8(&s[2][0]);
-            float mx0 = NEG_INF, mx1 = NEG_INF;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kp = (j < 2 ? k0 : k2) + 8 * (j & 1) + 2 * qd + e;
-                    const bool ok = j < 2 || two;
-                    s[j][e] = ok && kp <= qp0 && kp < hi ? s[j][e] * qk_scale : NEG_INF;
-                    s[j][2 + e] = ok && kp <= qp1 && kp < hi ? s[j][2 + e] * qk_scale : NEG_INF;
-                    mx0 = fmaxf(mx0, s[j][e]);
-                    mx1 = fmaxf(mx1, s[j][2 + e]);
-                }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-            const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
-            const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
-            m0 = n0; m1 = n1;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[j][e] = exp2f(s[j][e] - z0);
-                    s[j][2 + e] = exp2f(s[j][2 + e] - z1);
-                }
-            l0 = l0 * al0 + ((s[0][0] + s[0][1]) + (s[1][0] + s[1][1]))
-                 + ((s[2][0] + s[2][1]) + (s[3][0] + s[3][1]));
-            l1 = l1 * al1 + ((s[0][2] + s[0][3]) + (s[1][2] + s[1][3]))
-                 + ((s[2][2] + s[2][3]) + (s[3][2] + s[3][3]));
-#pragma unroll
-            for (int n = 0; n < 16; ++n) {
-                o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
-            }
-            wg_keep64(&o[0][0]);
-            wg_fence();
-            wg_pv(&o[0][0], pack_bf(s[0][0], s[0][1]), pack_bf(s[0][2], s[0][3]),
-                  pack_bf(s[1][0], s[1][1]), pack_bf(s[1][2], s[1][3]), gdesc(sb + 4096, 2048, 1024));
-            if (two)
-                wg_pv(&o[0][0], pack_bf(s[2][0], s[2][1]), pack_bf(s[2][2], s[2][3]),
-                      pack_bf(s[3][0], s[3][1]), pack_bf(s[3][2], s[3][3]),
-                      gdesc(sb2 + 4096, 2048, 1024));
-            wg_commit();
-            wg_wait<0>();
-            wg_keep64(&o[0][0]);
-            __syncwarp();
-            if (lane == 0) {
-                mbar_arrive(empty + st);
-                if (two) mbar_arrive(empty + st2);
-            }
-        }
-#else
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
             const u32 sb = sa(ring) + st * 8192;
-#if WG == 2
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty + st);
-            continue;
-#endif
 #if WG
             // the warpgroup (this KV head's GROUP = 4 query heads x 16 tokens: m64) multiplies
             // the page straight from the ring: S = Q K^T as eight m64n16k16 (K-major K, the
@@ -470,7 +355,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
-#endif
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -665,13 +549,13 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 0, tl: int = 0, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 1, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
     4 query heads per KV head only; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "tl": int(tl),
+                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg),
                       "stamps": int(stamps)}
 
 
@@ -686,10 +570,10 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, tl: int, stamps: bool) -> Kernel:
-    wg = wg if group == 4 else 0
+            pref: int, wg: int, stamps: bool) -> Kernel:
+    wg = int(bool(wg) and group == 4)
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, tl, stamps),
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, stamps),
                       "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch="90a" if wg else None)
 
@@ -698,14 +582,16 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
                       bias: Tensor | None, sliding_window: int | None, impl: str = "auto"
                       ) -> bool:
     """Whether :func:`verify_segment` serves this layer: ``impl="auto"`` on an sm_90 GPU with
-    >= 128 SMs, ``meta.max_query_len`` in :data:`DEFAULT_QUERIES` (any with
-    ``KVSTRATA_VERIFY_SEGMENT=1``, none with ``0``), for the shapes :func:`segment_shapes_ok`
-    takes."""
+    >= 128 SMs, ``meta.max_query_len`` in :data:`DEFAULT_QUERIES` (4 query heads per KV
+    head) or :data:`DEFAULT_QUERIES_MMA` (any with ``KVSTRATA_VERIFY_SEGMENT=1``, none with
+    ``0``), for the shapes :func:`segment_shapes_ok` takes."""
     if not (enabled(impl, q.device, SEGMENT_ENV, "")
-            and (os.environ.get(SEGMENT_ENV) == "1" or meta.max_query_len in DEFAULT_QUERIES)
             and segment_shapes_ok(q, kv_cache, meta, weight, bias, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
+    default = DEFAULT_QUERIES if q.shape[1] == 4 * hkv else DEFAULT_QUERIES_MMA
+    if not (os.environ.get(SEGMENT_ENV) == "1" or meta.max_query_len in default):
+        return False
     return _compiled(q.device, hkv, q.shape[1] // hkv, weight.shape[1], weight.shape[0])
 
 
@@ -713,8 +599,7 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant()[:4],
-                                    False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
                     f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 verify keeps the Triton attention + o_proj launches")
@@ -765,8 +650,8 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"verify_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [{t}, {n}] and [{n}]")
     dev = q.device
-    v = _variant or _env_variant()
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *v[:4], _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
+                   _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * MAX_QUERIES * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * MAX_QUERIES * hq, dtype=torch.float32, device=dev)
@@ -774,7 +659,7 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     out = torch.empty((t, n), dtype=torch.bfloat16, device=dev)
     h = torch.empty((t, n), dtype=torch.bfloat16, device=dev)
     ss = torch.empty((t, BLOCKS), dtype=torch.float32, device=dev)
-    kern([tensor_map_2d(kv_cache, 16, 64, v[4]), q, ctypes.c_int64(q.stride(0)),
+    kern([tensor_map_2d(kv_cache, 16, 64), q, ctypes.c_int64(q.stride(0)),
           ctypes.c_int32(layer), ctypes.c_int32(kv_cache.shape[1]), ctypes.c_int32(t),
           meta.block_tables, meta.seq_lens,
           meta.query_lens if meta.query_lens is not None else ctypes.c_void_p(0),
@@ -784,5 +669,5 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     return out, h, RowRms(ss, n, eps)
 
 
-__all__ = ["DEFAULT_QUERIES", "SEGMENT_ENV", "segment_shapes_ok", "verify_segment",
+__all__ = ["DEFAULT_QUERIES", "DEFAULT_QUERIES_MMA", "SEGMENT_ENV", "segment_shapes_ok", "verify_segment",
            "verify_segment_ok"]

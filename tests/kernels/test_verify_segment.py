@@ -3,7 +3,8 @@
 CPU: which shapes and plans it takes (everything else keeps the Triton path) and that its
 shared memory fits. CUDA (sm_90): its outputs against the Triton attention + ``gemv_add_norm``
 path and a float32 reference over contexts that leave pages and splits partly filled, widths
-2-16, a shortened block (``query_lens``), NaN in the pool past the sequence; graph replay ==
+2-16, 4 query heads per KV head (the warpgroup build) and 2 (the ``mma`` build), a shortened
+block (``query_lens``), NaN in the pool past the sequence; graph replay ==
 eager bit for bit; the switch; a Qwen3 model's batch-1 verify steps through it.
 """
 
@@ -112,7 +113,7 @@ def _check(q, kv, meta, w, res, gam, rows=None, ref_meta=None):
 
 
 @pytest.mark.parametrize("ctx", [16, 17, 40, 255, 1000, 4097, 8192, 33000])
-@pytest.mark.parametrize("shape", [(32, 8, 4096), (16, 4, 2048)])
+@pytest.mark.parametrize("shape", [(32, 8, 4096), (16, 4, 2048), (16, 8, 2048)])
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_equals_the_triton_path(ctx, shape, mark, monkeypatch):
     monkeypatch.setenv(vs.SEGMENT_ENV, "1")
@@ -160,11 +161,15 @@ def test_cuda_switch_turns_it_off(mark, monkeypatch):
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_default_serves_eight_queries(mark, monkeypatch):
+def test_cuda_default_query_counts(mark, monkeypatch):
+    """Unset, the switch serves 8 and 16 queries with 4 query heads per KV head (the warpgroup
+    build) and 8 with other groupings."""
     monkeypatch.delenv(vs.SEGMENT_ENV, raising=False)
-    for t in (2, 4, 8, 16):
+    for t in (2, 4, 8, 13, 16):
         q, kv, meta, w, *_ = _case("cuda", 100, t)
-        assert vs.verify_segment_ok(q, kv, meta, w, None, None) == (t in vs.DEFAULT_QUERIES), t
+        assert vs.verify_segment_ok(q, kv, meta, w, None, None) == (t in (8, 16)), t
+        q, kv, meta, w, *_ = _case("cuda", 100, t, hq=16, hkv=8, n=2048)
+        assert vs.verify_segment_ok(q, kv, meta, w, None, None) == (t == 8), t
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
