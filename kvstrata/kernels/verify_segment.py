@@ -206,6 +206,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         // lane), then the weight rows (issued among the pages they slowed the pages: at 8k
         // the attention phase took 21.2 us against 18.4, nineteenth runner session); lane 0
         // issues the copies
+        if (lane == 0) mbar_expect(wbar, 16 * K_IN * 2);
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
@@ -226,7 +227,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         }
         if (lane == 0) {
             const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
-            mbar_expect(wbar, 16 * K_IN * 2);
             for (int r = 0; r < 16; ++r)
                 bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
         }
