@@ -366,7 +366,8 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
            rlate: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
-    ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
+    ``rlate``: the rows' copies started once warp 0 has read its pages, not after its first
+    page's loads; ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),

@@ -102,7 +102,9 @@ __device__ __forceinline__ u64 gdesc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32)
            | (1ull << 62);
 }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
@@ -123,7 +125,8 @@ __device__ __forceinline__ void wg_keep64(float* d) {
 template <int ACC> __device__ __forceinline__ void wg_s(float* d, const u32* a, u64 desc) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %%13, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7}, {%%8, %%9, %%10, %%11}, %%12, p, 1, 1, 0;\n}"
+                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7}, {%%8, %%9, %%10, %%11}, %%12, "
+                 "p, 1, 1, 0;\n}"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
                    "+f"(d[6]), "+f"(d[7])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(ACC));
@@ -132,10 +135,11 @@ template <int ACC> __device__ __forceinline__ void wg_s(float* d, const u32* a, 
 __device__ __forceinline__ void wg_pv(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u64 desc) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %%69, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7, %%8, %%9, %%10, %%11, %%12, %%13, %%14, %%15, "
-                 "%%16, %%17, %%18, %%19, %%20, %%21, %%22, %%23, %%24, %%25, %%26, %%27, %%28, %%29, %%30, %%31, "
-                 "%%32, %%33, %%34, %%35, %%36, %%37, %%38, %%39, %%40, %%41, %%42, %%43, %%44, %%45, %%46, %%47, "
-                 "%%48, %%49, %%50, %%51, %%52, %%53, %%54, %%55, %%56, %%57, %%58, %%59, %%60, %%61, %%62, %%63}, "
+                 "{%%0, %%1, %%2, %%3, %%4, %%5, %%6, %%7, %%8, %%9, %%10, %%11, %%12, %%13, "
+                 "%%14, %%15, %%16, %%17, %%18, %%19, %%20, %%21, %%22, %%23, %%24, %%25, %%26, "
+                 "%%27, %%28, %%29, %%30, %%31, %%32, %%33, %%34, %%35, %%36, %%37, %%38, %%39, "
+                 "%%40, %%41, %%42, %%43, %%44, %%45, %%46, %%47, %%48, %%49, %%50, %%51, %%52, "
+                 "%%53, %%54, %%55, %%56, %%57, %%58, %%59, %%60, %%61, %%62, %%63}, "
                  "{%%64, %%65, %%66, %%67}, %%68, p, 1, 1, 1;\n}"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
                    "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
@@ -669,5 +673,5 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     return out, h, RowRms(ss, n, eps)
 
 
-__all__ = ["DEFAULT_QUERIES", "DEFAULT_QUERIES_MMA", "SEGMENT_ENV", "segment_shapes_ok", "verify_segment",
-           "verify_segment_ok"]
+__all__ = ["DEFAULT_QUERIES", "DEFAULT_QUERIES_MMA", "SEGMENT_ENV", "segment_shapes_ok",
+           "verify_segment", "verify_segment_ok"]

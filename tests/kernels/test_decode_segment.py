@@ -173,3 +173,15 @@ def test_cuda_qwen3_batch1_decode_takes_it(mark, tmp_path, monkeypatch):
     on = run("1")
     assert len(calls) == 10 * 2
     torch.testing.assert_close(on.float(), off.float(), atol=6e-2, rtol=3e-2)
+
+
+def test_variant_from_the_environment(monkeypatch):
+    monkeypatch.delenv(ds.VARIANT_ENV, raising=False)
+    assert ds._env_variant() == ds.VARIANT
+    monkeypatch.setenv(ds.VARIANT_ENV, "16:0:1")
+    assert ds._env_variant() == (16, 0, 1)
+    monkeypatch.setenv(ds.VARIANT_ENV, "8")
+    assert ds._env_variant() == (8,) + ds.VARIANT[1:]
+    # the late rows are a switch of the source only: the shipped build starts them early
+    assert "#define RLATE 0" in ds.source(8, 4, 4096, 4096, *ds.VARIANT)
+    assert "#define RLATE 1" in ds.source(8, 4, 4096, 4096, 16, 0, 1)
