@@ -6,9 +6,9 @@ the driver (``cuLaunchCooperativeKernel``, which CUDA-graph capture records like
 This module holds the device helpers their sources start with (:data:`PRELUDE`: bf16 bits,
 loads through L2, the grid barrier, mbarriers, bulk and tensor copies, ``ldmatrix`` and the
 bf16 ``mma``; :data:`WGMMA`: Hopper warpgroup products), the launcher (:class:`Kernel`), the
-grid barriers' counters (:func:`grid_counter`), Hopper tensor maps (:func:`tensor_map_2d`), the device check
-(:func:`device_ok`) and the gate both segments' ``*_ok`` functions start with (:func:`enabled`,
-:func:`compiles`).
+grid barriers' counters (:func:`grid_counter`), Hopper tensor maps (:func:`tensor_map_2d`), the
+device check (:func:`device_ok`) and the gate both segments' ``*_ok`` functions start with
+(:func:`enabled`, :func:`compiles`).
 """
 
 from __future__ import annotations
