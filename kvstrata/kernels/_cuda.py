@@ -118,16 +118,6 @@ __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 n, u64* 
 __device__ __forceinline__ void l2_prefetch(const void* src, u32 n) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(n) : "memory");
 }
-// the first n bytes of this block's share of `rows` rows (`pitch` bytes apart) into L2, from
-// the calling warp's lanes: the next kernel's weights, read while this one leaves DRAM idle
-__device__ __forceinline__ void l2_prefetch_rows(const unsigned char* base, int rows,
-                                                 long long pitch, u32 n, int lane) {
-    if (base == nullptr || n == 0) return;
-    const int per = (rows + (int)gridDim.x - 1) / (int)gridDim.x;
-    const int r1 = min((int)blockIdx.x * per + per, rows);
-    for (int r = (int)blockIdx.x * per + lane; r < r1; r += 32)
-        l2_prefetch(base + (size_t)r * pitch, n);
-}
 // one box of a 2-D tensor map at (x: inner, y: row) -> shared, completing on bar
 __device__ __forceinline__ void tensor_copy(u32 dst, const TMap* map, int x, int y, u64* bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -248,19 +238,6 @@ class Kernel:
 #: and are never freed (a captured graph keeps using its own). Launches on two streams may run
 #: at once; each stream's counter sees only its own launches' arrivals.
 _COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def l2_rows_args(rows: Tensor | None, nbytes: int) -> list:
-    """The launch arguments of ``l2_prefetch_rows`` (base, rows, pitch in bytes, bytes per row)
-    for a row-major 2-D tensor's first ``nbytes`` of each row (rounded down to 16; none for
-    ``None`` or ``nbytes < 16``)."""
-    if rows is None or rows.dim() != 2 or rows.stride(1) != 1 or nbytes < 16:
-        return [ctypes.c_void_p(0), ctypes.c_int32(0), ctypes.c_int64(0), ctypes.c_int32(0)]
-    pitch = rows.stride(0) * rows.element_size()
-    n = min(nbytes, rows.shape[1] * rows.element_size()) & ~15
-    return [ctypes.c_void_p(rows.data_ptr()), ctypes.c_int32(rows.shape[0]),
-            ctypes.c_int64(pitch), ctypes.c_int32(n if rows.data_ptr() % 16 == pitch % 16 == 0
-                                                  else 0)]
 
 
 def grid_counter(device: torch.device) -> Tensor:

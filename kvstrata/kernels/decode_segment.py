@@ -7,7 +7,8 @@ programs fill every SM (docs/benchmarks.md, runner sessions 4-14). :func:`decode
 both as one launch of 128 blocks, one per SM, all resident (a cooperative launch):
 
 1. each block starts Hopper bulk copies of its first ``RS`` o_proj weight rows into shared memory
-   (they depend on nothing), right after its first K/V loads are issued;
+   (they depend on nothing) once its warp 0 has issued the loads of its last K/V page (issued
+   among the pages they slowed the pages at 8k: docs/benchmarks.md, twentieth runner session);
 2. each block computes one (KV head, split) of split-KV attention (``128 / num_kv_heads`` splits
    per head; 8 warps over the split's pages, a half-warp per token, the next page's K/V loaded
    while one is computed, online softmax in float32) and stores the split's normalised partial
@@ -44,8 +45,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, l2_rows_args,
-                    variant)
+from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -56,9 +56,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pf, pfat`` (``pf``: bytes of each of
-#: the next product's weight rows prefetched into L2, in 128s; not a switch of the source)
-VARIANT = (SMEM_ROWS, 0, 2, 0, 0)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate``
+VARIANT = (SMEM_ROWS, 0, 2)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -73,7 +72,6 @@ _SOURCE = r"""
 #define RS %(rs)d
 #define RREG %(rreg)d
 #define RLATE %(rlate)d
-#define PFAT %(pfat)d
 #define STAMPS %(stamps)d
 #define NW 8
 #define ROWS (RPW * NW)
@@ -186,8 +184,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
                const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
                bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
-               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps,
-               const unsigned char* pf_base, int pf_rows, long long pf_pitch, int pf_bytes) {
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* wsm = (bf16_t*)smem;                                        // RS rows of W
     float* red = (float*)(smem + RS * K_IN * 2);                       // [NW][GROUP][128]
@@ -208,7 +205,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         rgam[rr] = bf(gam[c * ROWS + warp + rr * NW]);
     }
 
-    // 1-2. one (KV head, split) of attention; the weight copies start after the first loads
+    // 1-2. one (KV head, split) of attention; the weight copies start as RLATE says
     const int h = c / SPLITS, sidx = c %% SPLITS;
     const int L = *seq_len_p;
     int T = (L + SPLITS - 1) / SPLITS;
@@ -234,8 +231,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     // loads are issued (the same with <= 1 page); 1: after its products (below)
     if (tid == 0 && (RLATE == 0 || (RLATE == 2 && npw <= 1)))
         start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
-    // PFAT 0: the next product's weights into L2 once the first pages are asked for
-    if (PFAT == 0 && warp == 0) l2_prefetch_rows(pf_base, pf_rows, pf_pitch, pf_bytes, lane);
     for (int k = 0; k < npw; ++k) {
         v4 kn[8], vn[8];
         const int k1 = k + 1;
@@ -286,8 +281,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
     }
     STAMP(1)
-    // PFAT 1: the next product's weights into L2 while the grid waits and merges
-    if (PFAT == 1 && warp == 0) l2_prefetch_rows(pf_base, pf_rows, pf_pitch, pf_bytes, lane);
 
     // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
     grid_barrier(ctr);
@@ -374,26 +367,17 @@ def _env_variant() -> tuple[int, ...]:
     return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
 
 
-def _build(v: tuple[int, ...]) -> tuple[int, ...]:
-    """The switches of the source (``rs, rreg, rlate, pfat``) of a variant, the shipped
-    values where it stops early."""
-    v = tuple(v) + VARIANT[len(v):]
-    return v[0], v[1], v[2], v[4]
-
-
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pf: int = 0, pfat: int = 0, stamps: bool = False) -> str:
+           rlate: int = 2, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
-    read its pages (1), or once its last page's loads are issued (2); ``pf`` (unused here:
-    a launch argument) and ``pfat``: where the next product's weights are prefetched into L2
-    (0: after the first pages are asked for, 1: before the first grid barrier); ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``)."""
+    read its pages (1), or once its last page's loads are issued (2); ``stamps``: per-block
+    phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
-                      "rreg": int(rreg), "rlate": int(rlate), "pfat": int(pfat),
-                      "stamps": int(stamps)}
+                      "rreg": int(rreg), "rlate": int(rlate), "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -403,11 +387,11 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, rlate: int, pfat: int, stamps: bool) -> Kernel:
+            rreg: int, rlate: int, stamps: bool) -> Kernel:
     with torch.cuda.device(device):
         rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, rlate, 0, pfat, stamps),
-                      "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
+        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), "decode_segment",
+                      smem_bytes(group, k_in, rs), WARPS * 32)
 
 
 def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
@@ -427,8 +411,7 @@ def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_build(_env_variant()),
-                                    False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
                     f"kernels.decode_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 decode keeps the Triton attention + o_proj launches")
@@ -461,16 +444,13 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, l2_next: Tensor | None = None,
-                   _variant: tuple[int, ...] | None = None,
+                   eps: float, _variant: tuple[int, ...] | None = None,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(1, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
-    ``l2_next``: the next product's weight ``[rows, k]``; the variant's ``pf`` sets how much
-    of each row the launch prefetches into L2 (nothing by default).
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pf, pfat``; ``None``: :data:`VARIANT` or what
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate``; ``None``: :data:`VARIANT` or what
     ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and ``_stamps``
     (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
@@ -479,9 +459,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    v = tuple(_variant or _env_variant())
-    v += VARIANT[len(v):]
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_build(v), _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
+                   _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -494,8 +473,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0),
-          *l2_rows_args(l2_next, v[3] * 128)])
+          _stamps if _stamps is not None else ctypes.c_void_p(0)])
     return out, h, RowRms(ss, n, eps)
 
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from ._cuda import (BLOCKS, PRELUDE, WGMMA, Kernel, compiles, enabled, grid_counter,
-                    l2_rows_args, tensor_map_2d, variant)
+                    tensor_map_2d, variant)
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -65,9 +65,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, wg, pf, pfat`` (``pf``: bytes of each
-#: of the next product's weight rows prefetched into L2, in 128s; not a switch of the source)
-VARIANT = (STAGES, 0, 1, 0, 0)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg``
+VARIANT = (STAGES, 0, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -93,7 +92,6 @@ _SOURCE = r"""
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
 #define WG %(wg)d
-#define PFAT %(pfat)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 #if WG
@@ -108,8 +106,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
                const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
                bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
-               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps,
-               const unsigned char* pf_base, int pf_rows, long long pf_pitch, int pf_bytes) {
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // the ring's boxes must start on 1024-byte boundaries (the 128-byte swizzle's period)
     unsigned char* ring = smem_raw + ((1024u - (sa(smem_raw) & 1023u)) & 1023u);
@@ -180,8 +177,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             for (int r = 0; r < 16; ++r)
                 bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
         }
-        // PFAT 0: the next product's weights into L2 behind the pages and the rows
-        if (PFAT == 0) l2_prefetch_rows(pf_base, pf_rows, pf_pitch, pf_bytes, lane);
     } else {
         // 2. one query head's 16 rows over every WPM-th page of the split
         const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
@@ -362,8 +357,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (d == 0) part_lse[row] = lsev[g * 16 + t];
     }
     STAMP(1)
-    // PFAT 1: the next product's weights into L2 while the grid waits and merges
-    if (PFAT == 1 && warp == NW) l2_prefetch_rows(pf_base, pf_rows, pf_pitch, pf_bytes, lane);
 
     // 3. every partial stored: this block's (token, head) rows of the attention output
     grid_barrier(ctr);
@@ -502,24 +495,15 @@ def _env_variant() -> tuple[int, ...]:
     return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
 
 
-def _build(v: tuple[int, ...]) -> tuple[int, ...]:
-    """The switches of the source (``stages, pref, wg, pfat``) of a variant, the shipped
-    values where it stops early."""
-    v = tuple(v) + VARIANT[len(v):]
-    return v[0], v[1], v[2], v[4]
-
-
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 1, pf: int = 0, pfat: int = 0, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 1, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
-    4 query heads per KV head only; ``pf``: unused here (a launch argument); ``pfat``: where
-    the next product's weights are prefetched into L2 (0: once the producer has issued its
-    copies, 1: before the first grid barrier); ``stamps``: per-block phase timestamps)."""
+    4 query heads per KV head only; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
                       "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pfat": int(pfat),
+                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg),
                       "stamps": int(stamps)}
 
 
@@ -534,10 +518,10 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, pfat: int, stamps: bool) -> Kernel:
+            pref: int, wg: int, stamps: bool) -> Kernel:
     wg = int(bool(wg) and group == 4)
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, 0, pfat, stamps),
+        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, stamps),
                       "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch="90a" if wg else None)
 
@@ -563,8 +547,7 @@ def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_build(_env_variant()),
-                                    False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
                     f"kernels.verify_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 verify keeps the Triton attention + o_proj launches")
@@ -599,17 +582,14 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 
 def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                    sm_scale: float, weight: Tensor, residual: Tensor, norm_weight: Tensor,
-                   eps: float, l2_next: Tensor | None = None,
-                   _variant: tuple[int, ...] | None = None,
+                   eps: float, _variant: tuple[int, ...] | None = None,
                    _stamps: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms]:
     """``gemv_add_norm(paged_attention(q, ...).reshape(T, -1), weight, None, residual,
     norm_weight, eps)`` in one launch, where :func:`verify_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``. Rows past the
-    plan's ``query_lens`` (a shortened block) take a zero attention output. ``l2_next``: the
-    next product's weight ``[rows, k]``; the variant's ``pf`` sets how much of each row the
-    launch prefetches into L2 (nothing by default).
+    plan's ``query_lens`` (a shortened block) take a zero attention output.
 
-    ``_variant`` (:func:`source`'s ``stages, pref, wg, pf, pfat``; ``None``: :data:`VARIANT`, or what
+    ``_variant`` (:func:`source`'s ``stages, pref``; ``None``: :data:`VARIANT`, or what
     ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps`` (int64, ``BLOCKS * 8``:
     per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
@@ -618,9 +598,8 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"verify_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [{t}, {n}] and [{n}]")
     dev = q.device
-    v = tuple(_variant or _env_variant())
-    v += VARIANT[len(v):]
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *_build(v), _stamps is not None)
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
+                   _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * MAX_QUERIES * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * MAX_QUERIES * hq, dtype=torch.float32, device=dev)
@@ -634,8 +613,7 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           meta.query_lens if meta.query_lens is not None else ctypes.c_void_p(0),
           weight, residual.contiguous(), norm_weight.contiguous(), out, h, ss, part_o, part_lse,
           xbuf, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0),
-          *l2_rows_args(l2_next, v[3] * 128)])
+          _stamps if _stamps is not None else ctypes.c_void_p(0)])
     return out, h, RowRms(ss, n, eps)
 
 

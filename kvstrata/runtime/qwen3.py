@@ -272,11 +272,10 @@ class Qwen3Model(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             # One product for q/k/v (merged weights), then attention and o_proj
             qkv = attn.qkv(x, product=functools.partial(mm, rms=rms))
-            gate_up = mlp.gate_up_weight()
             x, h, rms = self._attention(i, qkv, h, cos, sin, meta, slot_mapping, kv_cache,
-                                        windows[i], fuse, attn_impl, gate_up[0])
+                                        windows[i], fuse, attn_impl)
             # gate/up with SiLU-and-multiply in its epilogue (kernels.gemv, gated)
-            g = gemv(x, *gate_up, impl=attn_impl, gated=True, rms=rms)
+            g = gemv(x, *mlp.gate_up_weight(), impl=attn_impl, gated=True, rms=rms)
             nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             if fuse and i + 1 < len(self.layers):
                 x, h, rms = gemv_add_norm(g, mlp.down_proj.weight, mlp.down_proj.bias, h,
@@ -292,20 +291,18 @@ class Qwen3Model(nn.Module):
 
     def _attention(self, i: int, qkv: Tensor, h: Tensor, cos: Tensor, sin: Tensor,
                    meta: AttentionMetadata, slot_mapping: Tensor, kv_cache: Tensor,
-                   window: int | None, fuse: bool, attn_impl: str,
-                   next_weight: Tensor | None = None) -> tuple[Tensor, Tensor, RowRms | None]:
+                   window: int | None, fuse: bool, attn_impl: str
+                   ) -> tuple[Tensor, Tensor, RowRms | None]:
         """Layer ``i`` from its q/k/v product to the next norm's input: q/k norms, RoPE, the
         K/V write into the pool, attention, o_proj and the residual add. Returns ``(x, h,
         rms)``: the normed input of the MLP (with ``rms``, the norm's row scale the next
-        product applies; ``None``: ``x`` is fully normed) and the residual stream.
-        ``next_weight``: the gate/up weight, which the batch-1 segments may start reading
-        into L2."""
+        product applies; ``None``: ``x`` is fully normed) and the residual stream."""
         cfg = self.config
         attn = self.layers[i].self_attn
         post = self.layers[i].post_attention_layernorm.weight
         eps, hq, hkv = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads
         seg = dict(sm_scale=self.sm_scale, weight=attn.o_proj.weight, residual=h,
-                   norm_weight=post, eps=eps, l2_next=next_weight)
+                   norm_weight=post, eps=eps)
         # both norms, RoPE and the K/V write into the pool in one launch
         q, _, _ = qkv_norm_rope(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                                 cos, sin, hq, hkv, kv_cache=kv_cache, layer=i,

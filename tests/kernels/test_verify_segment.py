@@ -144,24 +144,6 @@ def test_cuda_shortened_block_and_nan_past_the_sequence(mark):
     assert torch.isfinite(h).all()
 
 
-@pytest.mark.parametrize("ctx", [17, 1000, 8192])
-@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_next_weights_prefetch_changes_nothing(ctx, mark):
-    """The L2 prefetch of the next product's weights (either place, any length) leaves every
-    output bit as it was."""
-    q, kv, meta, w, res, gam = _case("cuda", ctx, seed=ctx)
-    nxt = torch.randn(24576, 4096, device="cuda").to(torch.bfloat16)
-    base = _segment(q, kv, 1, meta, w, res, gam)
-    for v in ((8, 0, 1, 8, 0), (8, 0, 1, 8, 1), (8, 0, 1, 200, 0), (8, 0, 0, 16, 1)):
-        got = vs.verify_segment(q, kv, 1, meta, sm_scale=128 ** -0.5, weight=w, residual=res,
-                                norm_weight=gam, eps=1e-6, l2_next=nxt, _variant=v)
-        if v[2] == vs.VARIANT[2]:
-            assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), v
-            assert torch.equal(got[2].parts, base[2].parts), v
-        else:   # the mma build: its own summation order
-            torch.testing.assert_close(got[1].float(), base[1].float(), atol=3e-2, rtol=2e-2)
-
-
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_graph_replay_equals_eager_bit_for_bit(mark):
     q, kv, meta, w, res, gam = _case("cuda", 3000)
@@ -245,7 +227,3 @@ def test_variant_from_the_environment(monkeypatch):
     monkeypatch.setenv(vs.VARIANT_ENV, "8:x")
     with pytest.raises(ValueError, match="colon-separated integers"):
         vs._env_variant()
-    # the prefetch's place is a switch of the source; its length is a launch argument
-    assert "#define PFAT 1" in vs.source(8, 4, 4096, 4096, 8, 0, 1, 0, 1)
-    assert vs.source(8, 4, 4096, 4096, 8, 0, 1, 8, 0) == vs.source(8, 4, 4096, 4096, 8, 0, 1)
-    assert vs._build((10, 1)) == (10, 1) + vs.VARIANT[2:3] + vs.VARIANT[4:]
