@@ -32,9 +32,10 @@ sequence, 2-16 causal queries, a bf16 page-major pool of 16-token pages and 128-
 sliding window or o_proj bias, shapes below) for the query counts of :data:`DEFAULT_QUERIES`
 (4 query heads per KV head) or :data:`DEFAULT_QUERIES_MMA` (``KVSTRATA_VERIFY_SEGMENT=1``:
 every count from 2 to 16; ``0``: none). Measured in the step (docs/benchmarks.md, nineteenth
-runner session, Qwen3-8B shape): verify-16 graph 4.62-4.63 ms against the Triton path's 4.77
-at 1k, 5.01-5.02 against 5.01 at 8k; the speculative step at width 8 5.91 against 6.03 ms at
-8k. Widths 2 and 4 were not measured with this build (the ``mma`` build lost there from 4k).
+and twentieth runner sessions, Qwen3-8B shape): verify-16 graph 4.62-4.63 ms against the Triton
+path's 4.77 at 1k, 5.01-5.02 against 5.01 at 8k; the speculative step at width 8 5.91 against
+6.03 ms at 8k, at widths 2 and 4 0.07-0.12 ms faster than on the Triton path at 1k and 8k (the
+``mma`` build lost there from 4k).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ from .gemv import RowRms
 #: none (the Triton attention + merge + ``gemv_add_norm`` launches); unset: the query counts of
 #: :data:`DEFAULT_QUERIES`.
 SEGMENT_ENV = "KVSTRATA_VERIFY_SEGMENT"
+#: query rows of a launch (an mma tile)
+MAX_QUERIES = 16
 #: query tokens per launch the warpgroup build (4 query heads per KV head) serves unless
-#: ``KVSTRATA_VERIFY_SEGMENT`` says otherwise (see the module: verify widths 8 and 16)
-DEFAULT_QUERIES = frozenset({8, 16})
+#: ``KVSTRATA_VERIFY_SEGMENT`` says otherwise: every count (see the module: verify widths 2, 4,
+#: 8 and 16 measured)
+DEFAULT_QUERIES = frozenset(range(2, MAX_QUERIES + 1))
 #: the same for the ``mma`` build (other groupings; measured in the eighteenth session)
 DEFAULT_QUERIES_MMA = frozenset({8})
 WARPS = 8           # compute warps; one more warp issues the copies
@@ -70,8 +74,6 @@ VARIANT = (STAGES, 0, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
-#: query rows of a launch (an mma tile)
-MAX_QUERIES = 16
 _LOG2E = math.log2(math.e)
 
 _SOURCE = r"""
