@@ -89,7 +89,8 @@ if triton is not None:
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_NORM: tl.constexpr,
                      RMS_IN: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                     LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr):
+                     LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr, UPCAST: tl.constexpr,
+                     ARGMAX: tl.constexpr = False):
         # K is a multiple of BLOCK_K (the wrapper checks); rows past M and columns past N are
         # masked. Program i reads weight rows i * BLOCK_N ... (and, GATED, the up rows N + ...)
         # whole, in column order. The loop holds only loads and products: element-wise work
@@ -100,6 +101,8 @@ if triton is not None:
         # (ss_out [M, programs]) and g * h as the output: the next RMSNorm but its row scale.
         # RMS_IN (the consumer): x is g * h, and the accumulator is scaled by rsqrt(sum of the
         # parts_in sums / K + eps) per row, so the loop stays loads and products.
+        # ARGMAX (plain products only): out is int64 [M, programs], each row's best column of
+        # this program's BLOCK_N as an argmax key (_argmax_key); _argmax_keys_kernel reduces.
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
@@ -169,8 +172,41 @@ if triton is not None:
             hf = hn.to(tl.float32)
             tl.store(ss_out_ptr + m * tl.num_programs(0) + pid, tl.sum(hf * hf, 1), mask=m_ok)
             acc = gam[None, :] * hf
-        tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(dt),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        if ARGMAX:
+            # the product rounded as F.linear rounds it, then this program's best column
+            v = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+            key = tl.max(_argmax_key(v, n[None, :], n_ok[None, :]), 1)
+            tl.store(out_ptr + m.to(tl.int64) * s_om + pid, key, mask=m_ok)
+        else:
+            tl.store(out_ptr + m[:, None].to(tl.int64) * s_om + n[None, :], acc.to(dt),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _argmax_key(v, col, ok):
+        """int64 keys of float32 values ``v`` at columns ``col`` whose maximum is the argmax
+        as torch takes it: the largest value, the first column among equal ones (NaN counts
+        as +inf, -0.0 as 0.0; columns not ``ok`` never win): the value's bits made orderable
+        as a signed int32 in the high word, ``2^31 - 1 - col`` in the low word."""
+        v = tl.where(v != v, float("inf"), v + 0.0)
+        v = tl.where(ok, v, float("-inf"))
+        b = v.to(tl.int32, bitcast=True)
+        b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+        return (b.to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+
+    @triton.jit
+    def _argmax_keys_kernel(key_ptr, out_ptr, P, s_k, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # one program per row: the largest of the row's P keys, decoded to its column
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, BLOCK)
+        best = tl.load(key_ptr + row * s_k + p, mask=p < P, other=-(2 ** 63))
+        for p0 in tl.range(BLOCK, P, BLOCK):
+            k = tl.load(key_ptr + row * s_k + p0 + p, mask=p0 + p < P, other=-(2 ** 63))
+            best = tl.maximum(best, k)
+        top = tl.max(best, 0)
+        tl.store(out_ptr + row, 0x7FFFFFFF - (top & 0x7FFFFFFF))
 
     @triton.jit
     def _dot_t(x, w, acc, UPCAST: tl.constexpr):
@@ -252,6 +288,43 @@ def gemv_add_norm(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tens
     return _gemv(x, weight, bias, None, impl, add_norm=(residual, norm_weight, eps))
 
 
+#: Tiles of :func:`gemv_argmax` (1 row, 2-16 rows); measured on the H200 with the argmax
+#: epilogue (docs/benchmarks.md, twenty-first runner session).
+ARGMAX_LAUNCH = (GemvLaunch(64, 128, 4, 4), GemvLaunch(64, 256, 3, 4))
+
+
+def gemv_argmax(x: Tensor, weight: Tensor, impl: str = "auto", *,
+                launch: GemvLaunch | None = None) -> Tensor:
+    """``F.linear(x, weight).argmax(-1)`` (``[M]`` int64) without the ``[M, N]`` product in
+    memory: a language-model head and its greedy token. Each program of the :func:`gemv`
+    kernel keeps its columns' best (the product rounded to ``x``'s dtype, as ``F.linear``
+    rounds it; the first column among equal values, as ``argmax`` takes it; NaN counts as
+    +inf) and a second launch reduces the programs' bests per row. Where :func:`gemv` would
+    take the torch ops (CPU, more than ``GEMV_MAX_ROWS`` rows, ...) it is those ops. Values
+    of the product differ from cuBLAS's only by the summation order, so on near-ties the
+    token can differ from ``F.linear``'s in the last bit's way."""
+    lt = None
+    if gemv_ok(x, weight, impl):
+        lt = _launch(weight, x.shape[-1], launch or ARGMAX_LAUNCH[x.shape[0] > 1])
+    if lt is None or weight.shape[0] >= 2 ** 31 - 1:
+        return F.linear(x, weight).argmax(-1)
+    M, K = x.shape
+    N = weight.shape[0]
+    grid = triton.cdiv(N, lt.block_n)
+    keys = torch.empty((M, grid), dtype=torch.int64, device=x.device)
+    out = torch.empty(M, dtype=torch.int64, device=x.device)
+    _gemv_kernel[(grid,)](
+        x, weight, weight, keys, M, N, K, x.stride(0), weight.stride(0), keys.stride(0),
+        *(weight,) * 5, 0, 0, 1, 0.0, HAS_BIAS=False, GATED=False, ADD_NORM=False,
+        RMS_IN=False, PARTS_PAD=1, BLOCK_M=GEMV_MAX_ROWS, BLOCK_N=lt.block_n,
+        BLOCK_K=lt.block_k, STAGES=lt.stages, LATE_TRIGGER=False,
+        UPCAST=x.dtype == torch.bfloat16 and x.device.type != "cuda", ARGMAX=True,
+        num_warps=lt.warps, **pdl_launch(x.device, "gemv"))
+    _argmax_keys_kernel[(M,)](keys, out, grid, keys.stride(0), BLOCK=1024, num_warps=4,
+                              **pdl_launch(x.device, "gemv"))
+    return out
+
+
 def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | None,
           impl: str = "auto", gated: bool = False, rms: RowRms | None = None,
           add_norm: tuple[Tensor, Tensor, float] | None = None):
@@ -308,5 +381,5 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     return out
 
 
-__all__ = ["GEMV_MAX_ROWS", "GemvLaunch", "RowRms", "gemv", "gemv_add_norm", "gemv_launch",
-           "gemv_ok"]
+__all__ = ["ARGMAX_LAUNCH", "GEMV_MAX_ROWS", "GemvLaunch", "RowRms", "gemv", "gemv_add_norm",
+           "gemv_argmax", "gemv_launch", "gemv_ok"]

@@ -23,7 +23,8 @@ from ..kernels.attention import paged_attention
 from ..kernels.attention_plan import AttentionMetadata
 from ..kernels.decode_segment import decode_segment, decode_segment_ok
 from ..kernels.gemv import RowRms, gemv, gemv_add_norm, gemv_ok
-from ..kernels.layer_ops import add_rms_norm, qkv_norm_rope, rope_cos_sin_rows
+from ..kernels.layer_ops import (add_rms_norm, embed_rms_norm, embed_rows, qkv_norm_rope,
+                                 rope_cos_sin_rows)
 from ..kernels.verify_segment import verify_segment, verify_segment_ok
 from ..nn.layers import (AttentionProjections, RMSNorm, RotaryEmbedding, SwiGLUMLP,
                          merge_layer_weights)
@@ -216,7 +217,7 @@ class Qwen3Model(nn.Module):
     # -- compute ----------------------------------------------------------------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         """``[T]`` int64 token ids -> ``[T, hidden]`` embeddings (model dtype)."""
-        return self.embed_tokens(input_ids)
+        return embed_rows(input_ids, self.embed_tokens.weight)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 slot_mapping: Tensor, kv_cache: Tensor, *,
@@ -263,8 +264,9 @@ class Qwen3Model(nn.Module):
         # also add the residual and apply the next norm's weight in their epilogues
         # (gemv_add_norm), and the next product scales its rows by the norm's rsqrt (rms):
         # two launches less per layer.
-        x, h = add_rms_norm(self.embed(input_ids), self.layers[0].input_layernorm.weight, eps,
-                            impl=attn_impl)
+        # the embedding rows and the first norm in one launch
+        x, h = embed_rms_norm(input_ids, self.embed_tokens.weight,
+                              self.layers[0].input_layernorm.weight, eps, impl=attn_impl)
         mm = functools.partial(gemv, impl=attn_impl)
         fuse = gemv_ok(x, self.layers[0].self_attn.o_proj.weight, attn_impl)
         rms = None

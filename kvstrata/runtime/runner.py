@@ -51,6 +51,7 @@ from ..drafter import PagedDraftAttention
 from ..kernels._device import num_sms as device_num_sms
 from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
                                       choose_num_splits)
+from ..kernels.gemv import gemv_argmax
 from ..kernels.step_inputs import assemble_step_inputs, greedy_accept, step_positions
 from .general import GeneralPath
 from .step import StepItem, StepTiming
@@ -669,7 +670,9 @@ class ModelRunner:
             if c.output_multiplier != 1.0 or c.final_logit_softcapping:
                 return self.drafter.postprocess_logits(t.compute_logits(hidden)).argmax(-1)
         w = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).argmax(-1)
+        # the head's product and argmax in the product's epilogue (F.linear + argmax for
+        # more rows than gemv takes, or off CUDA)
+        return gemv_argmax(hidden, w, impl=self.attn_impl)
 
     # -- CUDA graphs --------------------------------------------------------------------------------
     def capture(self) -> None:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kvstrata.kernels import _device
-from kvstrata.kernels.gemv import (GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm, gemv_launch,
-                                  gemv_ok)
+from kvstrata.kernels.gemv import (ARGMAX_LAUNCH, GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm,
+                                  gemv_argmax, gemv_launch, gemv_ok)
 from kvstrata.kernels.layer_ops import add_rms_norm, silu_mul_merged
 
 SMALL = GemvLaunch(block_n=32, block_k=64, stages=2, warps=4)
@@ -152,7 +152,69 @@ def test_launch_validation_and_defaults():
     assert gemv_launch(12288, 4096, gated=True) == GemvLaunch(32, 128, 3, 4)
 
 
+def _argmax_ref(x, w):
+    """argmax of the product rounded to the activation dtype (what the kernel's keys order)."""
+    return F.linear(x.float(), w.float()).to(x.dtype).float().argmax(-1)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1000, 256), (3, 777, 128), (16, 300, 64)])
+@pytest.mark.parametrize("tile", [(16, 16, 1, 1), (32, 64, 2, 4), (64, 128, 2, 4)])
+def test_interpreter_argmax_is_the_product_s(m, n, k, tile):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
+    x, w = _operands(m, n, k, torch.float16, seed=m + n)
+    got = gemv_argmax(x, w, impl="triton", launch=GemvLaunch(*tile))
+    assert got.dtype == torch.int64 and torch.equal(got, _argmax_ref(x, w))
+
+
+def test_interpreter_argmax_ties_nan_and_signed_zero():
+    """The first column among equal maxima (within and across programs), NaN as +inf, every
+    value negative, -0.0 equal to 0.0: torch's argmax."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU interpreter case (TRITON_INTERPRET=1)")
+    lt = GemvLaunch(16, 16, 1, 1)
+    x = torch.ones(2, 16, dtype=torch.float16)
+    w = torch.zeros(100, 16, dtype=torch.float16)
+    w[[40, 7, 90]] = 1
+    assert gemv_argmax(x, w, impl="triton", launch=lt).tolist() == [7, 7]
+    w.fill_(-1)
+    w[55] = -0.5
+    w[70] = -0.5
+    assert gemv_argmax(x, w, impl="triton", launch=lt).tolist() == [55, 55]
+    w.fill_(-1)
+    w[33, 0] = float("nan")
+    assert gemv_argmax(x, w, impl="triton", launch=lt).tolist() == [33, 33]
+    x = torch.tensor([[-1.0] + [0.0] * 15], dtype=torch.float16)
+    w = torch.zeros(40, 16, dtype=torch.float16)
+    w[5:, 0] = 1          # columns 5.. read -1; columns 0..4 read 0 (1: -0.0)
+    w[1, 1] = -0.0
+    assert gemv_argmax(x, w, impl="triton", launch=lt).tolist() == [0]
+
+
+def test_argmax_fallback_and_tiles():
+    x, w = _operands(20, 64, 32, torch.float32)
+    assert torch.equal(gemv_argmax(x, w), F.linear(x, w).argmax(-1))      # CPU: the torch ops
+    assert torch.equal(gemv_argmax(x[:3], w, impl="torch"), F.linear(x[:3], w).argmax(-1))
+    assert ARGMAX_LAUNCH == (GemvLaunch(64, 128, 4, 4), GemvLaunch(64, 256, 3, 4))
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_cuda_argmax_lm_head(m):
+    """A Qwen3-sized head: the token of the kernel's own product (gemv), deterministic, and
+    cuBLAS's wherever cuBLAS's best column is not within rounding of another."""
+    x, w = (t.cuda() for t in _operands(m, 151936, 4096, torch.bfloat16, seed=m))
+    got = gemv_argmax(x, w)
+    assert torch.equal(got, gemv_argmax(x, w))
+    assert torch.equal(got, gemv(x, w).float().argmax(-1))
+    ref = F.linear(x, w).float()
+    top2 = ref.topk(2, -1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.02 * top2[:, 0].abs()
+    assert torch.equal(got[clear], ref.argmax(-1)[clear])
 
 
 @cuda

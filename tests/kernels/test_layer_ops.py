@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvstrata.kernels.kv_write import write_kv_ref
-from kvstrata.kernels.layer_ops import (add_rms_norm, add_rms_norm_ref, head_norm_rope,
+from kvstrata.kernels.layer_ops import (add_rms_norm, add_rms_norm_ref, embed_rms_norm, embed_rows,
+                                        head_norm_rope,
                                         head_norm_rope_ref, qkv_norm_rope, qkv_norm_rope_ref,
                                         rope_cos_sin_rows, rope_cos_sin_rows_ref, silu_mul,
                                         silu_mul_merged, silu_mul_ref)
@@ -39,6 +40,24 @@ def test_add_rms_norm(dtype, residual):
         assert torch.equal(h, hw)
     else:
         _close(h, hw, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_rms_norm_is_add_rms_norm_of_the_rows(dtype):
+    g = torch.Generator().manual_seed(1)
+    emb = (torch.randn(50, 96, generator=g) * 2).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    ids = torch.tensor([3, 49, 0, 3, 17])
+    out, h = embed_rms_norm(ids, emb, w, 1e-6, impl="triton")
+    want, hw = add_rms_norm(emb[ids], w, 1e-6, impl="triton")
+    assert torch.equal(h, emb[ids]) and torch.equal(out, want)
+    assert torch.equal(embed_rows(ids, emb, impl="triton"), emb[ids])
+    ref = embed_rms_norm(ids, emb, w, 1e-6, impl="torch")
+    assert torch.equal(ref[1], hw)
+    _close(out, ref[0], dtype)
+    # an id outside the vocabulary reads as a zero row (the engine rejects such prompts)
+    out, h = embed_rms_norm(torch.tensor([50, -1, 2]), emb, w, 1e-6, impl="triton")
+    assert h[:2].abs().sum() == 0 and torch.equal(h[2], emb[2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -82,6 +101,10 @@ def test_cuda_kernels_round_like_torch():
     out, h = add_rms_norm(x, w, 1e-6, residual=r)
     want, hw = add_rms_norm_ref(x, w, 1e-6, r)
     assert torch.equal(h, hw)
+    ids = torch.randint(0, 33, (17,), generator=g, device="cuda")
+    eo, eh = embed_rms_norm(ids, x, w, 1e-6)
+    assert torch.equal(eh, x[ids]) and torch.equal(eo, add_rms_norm(x[ids], w, 1e-6)[0])
+    assert torch.equal(embed_rows(ids, x), x[ids])
     torch.testing.assert_close(out, want, atol=0, rtol=1.6e-2)
     q = torch.randn(33, 32 * 128, generator=g, device="cuda").to(dt).view(33, 32, 128)
     wq = (torch.rand(128, generator=g, device="cuda") + 0.5).to(dt)
