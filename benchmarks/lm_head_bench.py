@@ -39,15 +39,18 @@ def main() -> None:
         row = [f"{m}", f"{floor:.1f}", f"{ref:.1f}"]
         for t in TILES:
             lt = GemvLaunch(*t)
-            row.append(f"{_graph_us(lambda: [gemv_argmax(x, w, launch=lt) for w in ws], 2, reps=30):.1f}")
+            t_us = _graph_us(lambda: [gemv_argmax(x, w, launch=lt) for w in ws], 2, reps=30)
+            row.append(f"{t_us:.1f}")
         default = _graph_us(lambda: [gemv_argmax(x, w) for w in ws], 2, reps=30)
         print("| " + " | ".join(row) + f" | (default {default:.1f}) |", flush=True)
     emb, g = ws[0], torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     for m in (1, 16):
         ids = torch.randint(0, n, (m,), device="cuda")
-        sep = _graph_us(lambda: [add_rms_norm(F.embedding(ids, emb), g, 1e-6) for _ in range(36)], 36)
+        sep = _graph_us(lambda: [add_rms_norm(F.embedding(ids, emb), g, 1e-6)
+                                 for _ in range(36)], 36)
         one = _graph_us(lambda: [embed_rms_norm(ids, emb, g, 1e-6) for _ in range(36)], 36)
-        print(f"embedding + norm, {m} rows: separate {sep:.2f} us, one launch {one:.2f} us", flush=True)
+        print(f"embedding + norm, {m} rows: separate {sep:.2f} us, one launch {one:.2f} us",
+              flush=True)
     inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
     for m in (1, 16):
         pos = torch.arange(m, device="cuda") + 8000

@@ -459,6 +459,6 @@ def qkv_norm_rope(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor, eps: f
     return q, k, v
 
 
-__all__ = ["add_rms_norm", "add_rms_norm_ref", "embed_rms_norm", "embed_rows", "head_norm_rope", "head_norm_rope_ref",
-           "qkv_norm_rope", "qkv_norm_rope_ref", "rope_cos_sin_rows", "rope_cos_sin_rows_ref",
-           "silu_mul", "silu_mul_merged", "silu_mul_ref"]
+__all__ = ["add_rms_norm", "add_rms_norm_ref", "embed_rms_norm", "embed_rows", "head_norm_rope",
+           "head_norm_rope_ref", "qkv_norm_rope", "qkv_norm_rope_ref", "rope_cos_sin_rows",
+           "rope_cos_sin_rows_ref", "silu_mul", "silu_mul_merged", "silu_mul_ref"]
