@@ -7,7 +7,8 @@
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
 # it: e.g. `git archive REV kvstrata | tar -x -C _ref`), alternating processes (AB_ROUNDS;
-# AB_VARIANTS: more processes of this tree, each with ENV=v[+ENV=v...]; AB_ARGS: more
+# AB_VARIANTS: more processes of this tree, each with ENV=v[+ENV=v...]; AB_BASE (new ref): the
+# processes before them; AB_ARGS: more
 # runner_bench arguments); attn: batch-1 decode
 # attention alone at 1k, 8k, 32k, split + merge against the fused merge; tiles: the q/k/v,
 # o_proj and down products over a tile grid, and L2-hot; gated: gate/up with SiLU in the
@@ -63,7 +64,7 @@ for s in "${steps[@]}"; do
     one) python3 benchmarks/runner_bench.py --batches 1 --steps 24 --attn-contexts \
            --out "$OUT/one.md" > "$OUT/one.log" 2>&1 ;;
     ab) for r in ${AB_ROUNDS:-1 2}; do   # this tree against the kvstrata package in _ref/
-           for t in new ref ${AB_VARIANTS:-}; do   # a variant: this tree with ENV=v[+ENV=v...]
+           for t in ${AB_BASE-new ref} ${AB_VARIANTS:-}; do   # a variant: this tree with ENV=v[+ENV=v...]
              echo "== $t (round $r)"
              pp="$PYTHONPATH"; envs=()
              case $t in

@@ -75,14 +75,18 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 #endif
 
 // All blocks meet. The counter only grows: a barrier's target is the next multiple of the grid.
+// The block's writes are ordered before its arrival by the block barrier and the arrival's
+// release, and the other blocks' writes before what follows by the acquire loads and the block
+// barrier (no fences of their own: __threadfence() before the arrival and after the wait cost
+// 0.02-0.03 ms per batch-1 step, docs/benchmarks.md twenty-second runner session).
 __device__ __forceinline__ void grid_barrier(u32* ctr) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        const u32 old = atomicAdd(ctr, 1u);
+        u32 old;
+        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;"
+                     : "=r"(old) : "l"(ctr) : "memory");
         const u32 target = old - old % gridDim.x + gridDim.x;
         while ((int)(ld_acquire(ctr) - target) < 0) { }
-        __threadfence();
     }
     __syncthreads();
 }
