@@ -386,12 +386,19 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
+          stamps: bool) -> tuple[str, int]:
+    """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
+    it keeps (``rs``, at most the block's rows)."""
+    rs = min(rs, n_out // BLOCKS)
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), rs
+
+
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
             rreg: int, rlate: int, stamps: bool) -> Kernel:
+    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, stamps)
     with torch.cuda.device(device):
-        rs = min(rs, n_out // BLOCKS)
-        return Kernel(source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), "decode_segment",
-                      smem_bytes(group, k_in, rs), WARPS * 32)
+        return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
 
 
 def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,

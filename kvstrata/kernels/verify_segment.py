@@ -538,13 +538,20 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
+          stamps: bool) -> tuple[str, str]:
+    """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
+    per KV head only) for ``sm_90a``, the ``mma`` build for ``sm_90``."""
+    wg = int(bool(wg) and group == 4)
+    return source(nkv, group, k_in, n_out, stages, pref, wg, stamps), "90a" if wg else "90"
+
+
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
             pref: int, wg: int, stamps: bool) -> Kernel:
-    wg = int(bool(wg) and group == 4)
+    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, stamps)
     with torch.cuda.device(device):
-        return Kernel(source(nkv, group, k_in, n_out, stages, pref, wg, stamps),
-                      "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
-                      arch="90a" if wg else None)
+        return Kernel(src, "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
+                      arch=arch if arch == "90a" else None)
 
 
 def verify_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,

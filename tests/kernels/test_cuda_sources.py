@@ -1,0 +1,98 @@
+"""The persistent segments' CUDA C++ (kernels.decode_segment, kernels.verify_segment) compiled
+on the CPU by NVRTC (the ``nvidia-cuda-nvrtc-cu12`` wheel of the dev extras; no GPU, no driver):
+every shape class the ``*_ok`` functions serve builds for its target (``sm_90``, the warpgroup
+build ``sm_90a``) as shipped and with the benchmarks' switches, and its PTX keeps every array
+in registers (no local memory). CI has no GPU, so this is where a source edit that does not
+compile fails; the GPU tests (``-m gpu``) check the values."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+
+import pytest
+
+from kvstrata.kernels import decode_segment as ds
+from kvstrata.kernels import verify_segment as vs
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc():
+    try:
+        import nvidia.cuda_nvrtc as pkg
+    except ImportError:
+        return None
+    libs = sorted(glob.glob(os.path.join(list(pkg.__path__)[0], "lib", "libnvrtc.so.*")))
+    libs = [p for p in libs if "builtins" not in p and ".alt." not in p]
+    return ctypes.CDLL(libs[0]) if libs else None
+
+
+def _compile(src: str, arch: str) -> str:
+    """PTX of ``src`` for ``sm_<arch>``; a compile error fails the test with NVRTC's log."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("NVRTC is not installed (the dev extras' nvidia-cuda-nvrtc-cu12)")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"segment.cu", 0, None,
+                                  None) == 0
+    try:
+        opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, f"NVRTC error {rc}:\n{log.value.decode(errors='replace')}"
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+        ptx = ctypes.create_string_buffer(n.value)
+        assert lib.nvrtcGetPTX(prog, ptx) == 0
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _check(ptx: str, entry: str, threads: int) -> None:
+    assert f".entry {entry}(" in ptx
+    assert f".maxntid {threads}, 1, 1" in ptx
+    assert ".local" not in ptx, "an array left registers (local memory in the PTX)"
+
+
+# (KV heads, query heads per KV head, o_proj in, o_proj out): Qwen3-8B's layer, a 16-head
+# 2048-wide one (Qwen3-1.7B's attention), a 2-KV-head hidden-1024 one (the GPU tests' small
+# model: 64 splits per head, 8 o_proj rows per block)
+DECODE_SHAPES = [(8, 4, 4096, 4096), (8, 2, 2048, 2048), (2, 4, 1024, 1024)]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_decode_segment_compiles(shape):
+    src, _ = ds.build(*shape, *ds.VARIANT, False)
+    _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
+
+
+@pytest.mark.parametrize("switches", [(24, 1, 0, True), (16, 0, 1, False), (0, 0, 2, False)])
+def test_decode_segment_benchmark_switches_compile(switches):
+    """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
+    start points, no rows in shared memory, the phase timestamps."""
+    src, rs = ds.build(8, 4, 4096, 4096, *switches)
+    assert rs == switches[0]
+    _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
+
+
+# the warpgroup build (4 query heads per KV head: Qwen3-8B, and 4 KV heads at 2048) and the
+# mma build (2 and 8 query heads per KV head)
+VERIFY_SHAPES = [(8, 4, 4096, 4096), (4, 4, 2048, 2048), (8, 2, 2048, 4096), (2, 8, 2048, 2048)]
+
+
+@pytest.mark.parametrize("shape", VERIFY_SHAPES)
+def test_verify_segment_compiles(shape):
+    src, arch = vs.build(*shape, *vs.VARIANT, False)
+    assert arch == ("90a" if shape[1] == 4 else "90")
+    _check(_compile(src, arch), "verify_segment", vs.THREADS)
+
+
+def test_verify_segment_benchmark_switches_compile():
+    """The L2 prefetch, a deeper ring and the timestamps (``segment_proto.py --queries``)."""
+    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, True)
+    _check(_compile(src, arch), "verify_segment", vs.THREADS)
