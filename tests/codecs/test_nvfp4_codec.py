@@ -70,7 +70,7 @@ def test_ties_round_to_even_and_saturate():
 
 def test_nibble_order_and_scale_bytes():
     enc = get_codec("nvfp4").encode(_block_page([0.5, 6.0, -1.0, 0.0, 1.5, -3.0]))
-    l, s, r, d = 1, 2, 2, 32
+    s, r, d = 2, 2, 32
     _, oc, os_, total = nvfp4_layout(s, r, d)
     pl = enc.payload
     assert pl[:4].tolist() == list(torch.tensor([1.0]).view(torch.uint8).tolist())  # g = 1.0

@@ -153,7 +153,7 @@ def test_qkv_norm_rope_equals_the_separate_kernels(dtype, hq, hkv):
 def test_qkv_norm_rope_writes_kv_like_write_kv(impl):
     """With a pool: K (normed, rotated) and V land where write_kv puts them, negative slots
     are skipped, nothing else changes; q is unchanged by the write."""
-    T, hq, hkv, D, P = 4, 4, 2, 32, 4
+    hq, hkv, D, P = 4, 2, 32, 4
     qkv, qw, kw, cos, sin = _qkv_case(torch.float32)
     pool = torch.randn(6, 3, 2, hkv, P, D)
     want = pool.clone()
