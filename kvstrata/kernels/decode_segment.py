@@ -385,7 +385,6 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
     return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
 
 
-@functools.lru_cache(maxsize=None)
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
           stamps: bool) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
@@ -394,6 +393,7 @@ def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate
     return source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), rs
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
             rreg: int, rlate: int, stamps: bool) -> Kernel:
     src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, stamps)

@@ -537,7 +537,6 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
             + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
 
 
-@functools.lru_cache(maxsize=None)
 def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
           stamps: bool) -> tuple[str, str]:
     """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
@@ -546,6 +545,7 @@ def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, w
     return source(nkv, group, k_in, n_out, stages, pref, wg, stamps), "90a" if wg else "90"
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
             pref: int, wg: int, stamps: bool) -> Kernel:
     src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, stamps)

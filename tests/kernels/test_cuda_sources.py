@@ -96,3 +96,11 @@ def test_verify_segment_benchmark_switches_compile():
     """The L2 prefetch, a deeper ring and the timestamps (``segment_proto.py --queries``)."""
     src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, True)
     _check(_compile(src, arch), "verify_segment", vs.THREADS)
+
+
+def test_a_shape_compiles_once():
+    """Both launchers keep their compiled kernels per shape and switches: a compile (NVRTC,
+    ~1 s) must never run per call, nor inside a CUDA-graph capture (the ``*_ok`` functions
+    compile first)."""
+    for mod in (ds, vs):
+        assert hasattr(mod._kernel, "cache_info"), f"{mod.__name__}._kernel is not cached"
