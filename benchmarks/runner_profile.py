@@ -165,17 +165,22 @@ def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -
     exposed, gap = defaultdict(float), defaultdict(float)
     evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
                  key=lambda e: e.time_range.start)
-    # The target's products by their place in a layer (q/k/v, o_proj, gate/up, down: the
-    # first 4 x layers gemv launches of each replay; any others are "other").
+    # The target's products by their place in a layer (q/k/v, o_proj, gate/up, down; o_proj
+    # rides in a segment launch where one serves), counted over a replay's gemv launches in
+    # order: exact when the step's other products (heads, the drafter's context write) are
+    # fewer than the places and come last; else "other" and the places are approximate.
     per = sum(e.name == "_gemv_kernel" for e in evs) // max(steps, 1)
-    places, seen = ("q/k/v", "o_proj", "gate/up", "down"), 0
+    segmented = any(e.name in ("decode_segment", "verify_segment") for e in evs)
+    places = ("q/k/v", "gate/up", "down") if segmented else ("q/k/v", "o_proj", "gate/up", "down")
+    seen = 0
     prev_end = None
     for e in evs:
         nm = e.name if len(e.name) < 70 else e.name[:67] + "..."
         if nm == "_gemv_kernel" and per:
             i = seen % per
             seen += 1
-            nm += f" [{places[i % 4] if i < per - per % 4 else 'other'}]"
+            k = len(places)
+            nm += f" [{places[i % k] if i < per - per % k else 'other'}]"
         start, end = e.time_range.start, e.time_range.end
         tot[nm] += (end - start) / steps
         cnt[nm] += 1
