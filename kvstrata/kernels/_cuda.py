@@ -79,9 +79,12 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 // release, and the other blocks' writes before what follows by the acquire loads and the block
 // barrier (no fences of their own: __threadfence() before the arrival and after the wait cost
 // 0.02-0.03 ms per batch-1 step, docs/benchmarks.md twenty-second runner session).
-__device__ __forceinline__ void grid_barrier(u32* ctr) {
+// ``leader``: the thread that arrives and waits for its block (the release is cumulative: the
+// block barrier before it orders every thread's writes, so any thread of the block may lead;
+// one with no loads in flight arrives sooner).
+__device__ __forceinline__ void grid_barrier_by(u32* ctr, int leader) {
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == leader) {
         u32 old;
         asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;"
                      : "=r"(old) : "l"(ctr) : "memory");
@@ -90,6 +93,7 @@ __device__ __forceinline__ void grid_barrier(u32* ctr) {
     }
     __syncthreads();
 }
+__device__ __forceinline__ void grid_barrier(u32* ctr) { grid_barrier_by(ctr, 0); }
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(bar)), "r"(count));

@@ -20,10 +20,16 @@ products:
    split's normalised partial and log-sum-exp (base 2);
 3. a grid barrier; each block merges ``16 * Hq / 128`` (token, head) rows of the splits into
    the bf16 attention output; a second grid barrier;
-4. each block multiplies its ``N / 128`` o_proj rows (16 from shared memory, the rest from
-   memory) by the 16 output rows (``mma``, the eight warps split K, a fixed-order sum), and
+4. each block multiplies its ``N / 128`` o_proj rows by the 16 output rows (``mma``, the eight
+   warps split K, a fixed-order sum): with 32 rows, 0-15 from shared memory, 16-23 from the
+   ring (bulk copies issued once attention is done, landing over the merge and the barriers)
+   and 24-31 from registers (loaded after the merge, in flight through barrier 2); it
    writes what :func:`~.gemv.gemv_add_norm` writes: ``h = residual + product`` (bf16),
    ``norm_weight * h`` and each block's per-row sums of squares of ``h``.
+
+Both grid barriers' arrivals come from the producer warp's first lane, which has no loads in
+flight (with thread 0, whose weight loads are in flight at barrier 2, each barrier took ~1 us
+longer in a layer: docs/benchmarks.md, twenty-third runner session).
 
 No float atomics, fixed summation orders: graph replay equals eager bit for bit. The values
 differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
@@ -96,19 +102,11 @@ _SOURCE = r"""
 #define WG %(wg)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
+static_assert(MT <= 2 && 8 * WP <= RING + 128, "o_proj rows 16-23 fit the ring (+ its slack)");
 #if WG
 static_assert(GROUP == 4 && NW == 8, "a warpgroup is one KV head's 4 query heads x 16 tokens");
 %(wgmma)s
 #endif
-
-// Chunk ch (64 columns) of a lane's two o_proj weight rows (r0, r0 + 8) from memory: the
-// four 16-byte pieces the o_proj phase's fragments take.
-__device__ __forceinline__ void load_w_chunk(v4* dst, const bf16_t* wg, int ch) {
-    dst[0] = *(const v4*)(wg + ch * 64);
-    dst[1] = *(const v4*)(wg + ch * 64 + 8);
-    dst[2] = *(const v4*)(wg + 8 * K_IN + ch * 64);
-    dst[3] = *(const v4*)(wg + 8 * K_IN + ch * 64 + 8);
-}
 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
@@ -121,11 +119,14 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // the ring's boxes must start on 1024-byte boundaries (the 128-byte swizzle's period)
     unsigned char* ring = smem_raw + ((1024u - (sa(smem_raw) & 1023u)) & 1023u);
-    unsigned char* wsm = ring + RING;                        // 16 weight rows, pitch WP
+    // o_proj rows 0-15, pitch WP (after the ring's 128 bytes of slack: rows 16-23 go into the
+    // ring at pitch WP once attention is done)
+    unsigned char* wsm = ring + RING + 128;
     u64* full = (u64*)(wsm + 16 * WP);
     u64* empty = full + NST;
-    u64* wbar = empty + NST;
-    float* red_m = (float*)(wbar + 1);                       // [NW][16]
+    u64* wbar = empty + NST;                                 // rows 0-15
+    u64* rbar = wbar + 1;                                    // rows 16-23
+    float* red_m = (float*)(rbar + 1);                       // [NW][16]
     float* red_l = red_m + NW * 16;                          // [NW][16]
     float* sq = red_l + NW * 16;                             // [16][16 * MT]
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -150,6 +151,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     if (tid == 0) {
         for (int i = 0; i < NST; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, GROUP); }
         mbar_init(wbar, 1);
+        mbar_init(rbar, 1);
         mbar_fence_init();
     }
     __syncthreads();
@@ -367,10 +369,23 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         part_o[(size_t)row * 128 + d] = val;
         if (d == 0) part_lse[row] = lsev[g * 16 + t];
     }
+    if (MT > 1) {
+        // the ring's last reads are done: o_proj rows 16-23 into it, over the merge and the
+        // barriers (memory is idle until the o_proj phase)
+        __syncthreads();
+        if (warp == NW && lane == 0) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            mbar_expect(rbar, 8 * K_IN * 2);
+            const bf16_t* wrow = W + (size_t)(c * 16 * MT + 16) * K_IN;
+            for (int r = 0; r < 8; ++r)
+                bulk_copy(sa(ring) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, rbar);
+        }
+    }
     STAMP(1)
 
-    // 3. every partial stored: this block's (token, head) rows of the attention output
-    grid_barrier(ctr);
+    // 3. every partial stored: this block's (token, head) rows of the attention output (the
+    // barriers' arrivals come from the producer warp, which has no loads in flight)
+    grid_barrier_by(ctr, NW * 32);
 #if PREF
     if (MT > 1 && tid < 16 * (MT - 1)) {
         const bf16_t* src = W + (size_t)(c * 16 * MT + 16 + tid) * K_IN;
@@ -403,21 +418,26 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         xbuf[(size_t)t * K_IN + hh * 128 + d] = to_bf(v);
     }
     STAMP(3)
-    // the first chunks of this warp's weight rows not in shared memory, loaded before barrier 2
-    // (memory is idle here; measured: docs/benchmarks.md, twenty-second runner session)
-    v4 wpre[3][4];
+    // o_proj rows 24-31 (a lane's row r0 + 8 of the second tile), every chunk of this warp's
+    // columns into registers before barrier 2: in flight through it (measured:
+    // docs/benchmarks.md, twenty-third runner session)
+    v4 wr[NCH][2];
     if (warp < NW && MT > 1) {
-        const bf16_t* wg0 = W + (size_t)(c * 16 * MT + 16 + r0) * K_IN + warp * (K_IN / NW)
-                            + 16 * qd;
+        const bf16_t* wg = W + (size_t)(c * 16 * MT + 24 + r0) * K_IN + warp * (K_IN / NW)
+                           + 16 * qd;
 #pragma unroll
-        for (int ch = 0; ch < (NCH < 3 ? NCH : 3); ++ch) load_w_chunk(wpre[ch], wg0, ch);
+        for (int ch = 0; ch < NCH; ++ch) {
+            wr[ch][0] = *(const v4*)(wg + ch * 64);
+            wr[ch][1] = *(const v4*)(wg + ch * 64 + 8);
+        }
     }
-    grid_barrier(ctr);
+    grid_barrier_by(ctr, NW * 32);
     STAMP(4)
 
     // 4. o_proj: out^T [16 MT rows, 16 tokens] = W rows x x^T; warp w takes K_IN / 8 columns in
     // chunks of 64 (lane quad qd holds elements 16 qd .. 16 qd + 15 of a chunk: the four
-    // k-steps' fragments in one order for W and x, so every load is 16 bytes)
+    // k-steps' fragments in one order for W and x, so every load is 16 bytes); rows 0-15 from
+    // wsm, 16-23 from the ring, 24-31 from registers, x from L2 three chunks ahead
     float acc[MT][2][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -425,25 +445,21 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         for (int j = 0; j < 2; ++j) acc[m][j][0] = acc[m][j][1] = acc[m][j][2] = acc[m][j][3] = 0.f;
     if (warp < NW) {
         const int kw = warp * (K_IN / NW) + 16 * qd;
-        const bf16_t* wg = W + (size_t)(c * 16 * MT + 16 + r0) * K_IN + kw;
         const bf16_t* xg = xbuf + (size_t)r0 * K_IN + kw;
-        v4 xr[NCH][4], wr[NCH][4];
+        v4 xr[NCH][4];
 #define LOAD_X(ch) { \
             xr[ch][0] = ld_cg(xg + (ch) * 64); xr[ch][1] = ld_cg(xg + (ch) * 64 + 8); \
             xr[ch][2] = ld_cg(xg + 8 * K_IN + (ch) * 64); \
             xr[ch][3] = ld_cg(xg + 8 * K_IN + (ch) * 64 + 8); }
-#define LOAD_CHUNK(ch) { LOAD_X(ch) if (MT > 1) load_w_chunk(wr[ch], wg, ch); }
 #pragma unroll
-        for (int ch = 0; ch < (NCH < 3 ? NCH : 3); ++ch) {   // W's first chunks came before
-            LOAD_X(ch)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wr[ch][i] = wpre[ch][i];
-        }
+        for (int ch = 0; ch < (NCH < 3 ? NCH : 3); ++ch) LOAD_X(ch)
         mbar_wait(wbar, 0);
+        if (MT > 1) mbar_wait(rbar, 0);
         const unsigned char* ws0 = wsm + r0 * WP + kw * 2;
+        const unsigned char* rs0 = ring + r0 * WP + kw * 2;
 #pragma unroll
         for (int ch = 0; ch < NCH; ++ch) {
-            if (ch + 3 < NCH) LOAD_CHUNK(ch + 3)
+            if (ch + 3 < NCH) LOAD_X(ch + 3)
             v4 a[4];
             a[0] = *(const v4*)(ws0 + ch * 128);
             a[1] = *(const v4*)(ws0 + ch * 128 + 16);
@@ -451,7 +467,14 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             a[3] = *(const v4*)(ws0 + 8 * WP + ch * 128 + 16);
             const u32* A0 = (const u32*)a;
             const u32* X = (const u32*)xr[ch];
-            const u32* A1 = (const u32*)wr[ch];
+            v4 b[4];
+            if (MT > 1) {
+                b[0] = *(const v4*)(rs0 + ch * 128);
+                b[1] = *(const v4*)(rs0 + ch * 128 + 16);
+                b[2] = wr[ch][0];
+                b[3] = wr[ch][1];
+            }
+            const u32* A1 = (const u32*)b;
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 // words 2s, 2s + 1 of a row's 8: the k-step's low and high fragment halves
@@ -467,8 +490,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 }
             }
         }
-#undef LOAD_CHUNK
 #undef LOAD_X
+        // every compute warp's reads of rows 16-23 in the ring are done before its sums go there
+        if (MT > 1) asm volatile("bar.sync 3, %%0;" :: "n"(NW * 32) : "memory");
         float* red = (float*)ring + warp * (16 * MT * 16);   // [16 MT rows][16 tokens]
 #pragma unroll
         for (int m = 0; m < MT; ++m)
@@ -529,11 +553,11 @@ def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
-    """Dynamic shared memory: 1 KB of alignment slack, the ring, 16 weight rows (16-byte pad),
-    the mbarriers, the warps' row maxima and sums, the squares of the epilogue, the merge's
-    weights."""
+    """Dynamic shared memory: 1 KB of alignment slack, the ring and 128 bytes (o_proj rows
+    16-23 after attention), 16 weight rows (16-byte pad), the mbarriers, the warps' row maxima
+    and sums, the squares of the epilogue, the merge's weights."""
     mt = n_out // (BLOCKS * 16)
-    return (1024 + stages * 8192 + 16 * (k_in * 2 + 16) + (2 * stages + 1) * 8
+    return (1024 + stages * 8192 + 128 + 16 * (k_in * 2 + 16) + (2 * stages + 2) * 8
             + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
 
 
