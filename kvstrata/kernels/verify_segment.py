@@ -27,9 +27,10 @@ products:
    writes what :func:`~.gemv.gemv_add_norm` writes: ``h = residual + product`` (bf16),
    ``norm_weight * h`` and each block's per-row sums of squares of ``h``.
 
-Both grid barriers' arrivals come from the producer warp's first lane, which has no loads in
-flight (with thread 0, whose weight loads are in flight at barrier 2, each barrier took ~1 us
-longer in a layer: docs/benchmarks.md, twenty-third runner session).
+Both grid barriers' arrivals come from the producer warp's first lane, which has no memory
+operations in flight (thread 0 arrives with the partial's stores, then the weight loads, in
+flight: each barrier took ~1 us longer in a layer, docs/benchmarks.md, twenty-third runner
+session).
 
 No float atomics, fixed summation orders: graph replay equals eager bit for bit. The values
 differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
