@@ -109,6 +109,11 @@ static_assert(GROUP == 4 && NW == 8, "a warpgroup is one KV head's 4 query heads
 %(wgmma)s
 #endif
 
+// n o_proj rows from src into shared memory at dst, pitch WP (one bulk copy per row), on bar
+__device__ __forceinline__ void copy_rows(u32 dst, const bf16_t* src, int n, u64* bar) {
+    for (int r = 0; r < n; ++r) bulk_copy(dst + r * WP, src + (size_t)r * K_IN, K_IN * 2, bar);
+}
+
 extern "C" __global__ void __launch_bounds__(NT, 1)
 verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                long long s_qt, int layer, int nlayers, int T, const int* __restrict__ bt,
@@ -186,11 +191,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             }
             __syncwarp();
         }
-        if (lane == 0) {
-            const bf16_t* wrow = W + (size_t)c * 16 * MT * K_IN;
-            for (int r = 0; r < 16; ++r)
-                bulk_copy(sa(wsm) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, wbar);
-        }
+        if (lane == 0) copy_rows(sa(wsm), W + (size_t)c * 16 * MT * K_IN, 16, wbar);
     } else {
         // 2. one query head's 16 rows over every WPM-th page of the split
         const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
@@ -377,9 +378,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (warp == NW && lane == 0) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_expect(rbar, 8 * K_IN * 2);
-            const bf16_t* wrow = W + (size_t)(c * 16 * MT + 16) * K_IN;
-            for (int r = 0; r < 8; ++r)
-                bulk_copy(sa(ring) + r * WP, wrow + (size_t)r * K_IN, K_IN * 2, rbar);
+            copy_rows(sa(ring), W + (size_t)(c * 16 * MT + 16) * K_IN, 8, rbar);
         }
     }
     STAMP(1)
