@@ -89,8 +89,8 @@ def main() -> None:
     if args.variants is None:
         args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
     variants = [variant(v, shipped_v, "--variants") for v in args.variants]
-    knobs = "NST:PREF:WG" if use_verify else "RS:RREG"
-    stamps = torch.zeros(nl, seg.BLOCKS * 8, dtype=torch.int64, device=dev)
+    knobs = "NST:PREF:WG:PDL" if use_verify else "RS:RREG"
+    stamps = torch.zeros(nl, seg.BLOCKS * 16, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE
         kv = rnd(pages, nl, 2, HKV, PAGE, D, scale=1.0)
@@ -164,21 +164,26 @@ def main() -> None:
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
                                                 for i in range(nl)]),
                              ("in a layer", layer_chain(seg_fused(v, stamps)))):
+                nk = 11 if use_verify else 7
+                stamps.zero_()
                 _graph_us(fn, nl, reps=3)
-                t = stamps.view(nl, seg.BLOCKS, 8)[nl // 4: 3 * nl // 4, :, :7].double().cpu()
+                t = stamps.view(nl, seg.BLOCKS, 16)[nl // 4: 3 * nl // 4, :, :nk].double().cpu()
                 t = (t - t[:, :, 0].min(1).values[:, None, None]) / 1e3
                 med = t.median(1).values.median(0).values
                 last = t.max(1).values.median(0).values
                 phases.append(f"| {v} {name} | " + " | ".join(
-                    f"{med[k]:.1f} / {last[k]:.1f}" for k in range(7)) + " |")
+                    f"{med[k]:.1f} / {last[k]:.1f}" if t[:, :, k].min() >= 0 else "-"
+                    for k in range(nk)) + " |")
         say("")
         say("Phases in the graph (us from the layer's first block start, median / last block, "
             "median over the middle half of the layers):")
         say("")
+        extra = (" first page in (warp 0) | pages done (warp 0) | split merged in the block |"
+                 " after the PDL wait (warp 0) |" if use_verify else "")
         say(f"| {knobs} | start | partial stored | barrier 1 (+ RREG loads or the "
             "prefetch issued) | merged | barrier 2 | x + weights ready (decode) or products "
-            "summed (verify) | end |")
-        say("|---|---|---|---|---|---|---|---|")
+            f"summed (verify) | end |{extra}")
+        say("|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if use_verify else ""))
         for row in phases:
             say(row)
         say("")

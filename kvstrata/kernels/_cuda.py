@@ -26,7 +26,7 @@ from torch import Tensor
 BLOCKS = 128
 
 #: Device helpers (plain CUDA C++, no ``%`` formatting). A source defines ``STAMPS`` (0/1)
-#: before it; ``STAMP(k)`` then writes ``%globaltimer`` into ``stamps[block * 8 + k]``.
+#: before it; ``STAMP(k)`` then writes ``%globaltimer`` into ``stamps[block * 16 + k]``.
 PRELUDE = r"""
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -67,9 +67,16 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+// A source defining PDL as 1 is launched as a programmatic dependent launch (Kernel(...,
+// pdl=True)): GDC_WAIT() before it reads what the previous kernel on the stream wrote.
+#if defined(PDL) && PDL
+#define GDC_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define GDC_WAIT()
+#endif
 #if STAMPS
 #define STAMP(k) if (threadIdx.x == 0) { u64 t_; \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); stamps[blockIdx.x * 8 + (k)] = t_; }
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); stamps[blockIdx.x * 16 + (k)] = t_; }
 #else
 #define STAMP(k)
 #endif
@@ -229,7 +236,10 @@ class Kernel:
         self._k.set_shared_memory_config(smem)
         self.smem, self.threads = smem, threads
 
-    def __call__(self, args: list) -> None:
+    def __call__(self, args: list, pdl: bool = False) -> None:
+        """One launch; ``pdl``: as a programmatic dependent launch too (the kernel may start
+        once the previous kernel on the stream lets its dependents launch, and must
+        ``griddepcontrol.wait`` before it reads what that kernel wrote)."""
         vals = [a if isinstance(a, (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                     ctypes.c_float, ctypes.Array))
                 else ctypes.c_void_p(a.data_ptr()) for a in args]
@@ -237,9 +247,36 @@ class Kernel:
             *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         u = ctypes.c_uint
-        self._check(self._lib.cuLaunchCooperativeKernel(
-            self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1), u(self.smem),
-            stream, params))
+        if not pdl:
+            self._check(self._lib.cuLaunchCooperativeKernel(
+                self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1),
+                u(self.smem), stream, params))
+            return
+        attrs = (_LaunchAttribute * 2)()
+        attrs[0].id, attrs[0].value = _ATTR_COOPERATIVE, 1
+        attrs[1].id, attrs[1].value = _ATTR_PROGRAMMATIC_SERIALIZATION, 1
+        cfg = _LaunchConfig(BLOCKS, 1, 1, self.threads, 1, 1, self.smem, stream,
+                            ctypes.cast(attrs, ctypes.c_void_p), 2)
+        self._check(self._lib.cuLaunchKernelEx(ctypes.byref(cfg), self._k.func, params, None))
+
+
+# cuda.h's CUlaunchAttribute (an int id, padding to 8 bytes, a 64-byte value union whose
+# first int is the value of both attributes used here) and CUlaunchConfig
+_ATTR_COOPERATIVE = 2                      # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+_ATTR_PROGRAMMATIC_SERIALIZATION = 6       # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_int), ("value", ctypes.c_int),
+                ("_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
+                ("block_z", ctypes.c_uint), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("num_attrs", ctypes.c_uint)]
 
 
 #: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,

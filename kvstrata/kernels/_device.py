@@ -63,9 +63,12 @@ def _pdl_device(device: torch.device) -> bool:
 #: before the wait, and its trigger early or after the K/V loop: plain decode b1 4.91-5.00 ms
 #: against 4.68-4.76 (fifth runner session). Attention not a secondary but triggering o_proj
 #: early (sixth session, five processes in three calls): plain decode b1 at 1k 4.59-4.74 ms
-#: against 4.54-4.78 without, no gain; removed.
-PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce")
-PDL_DEFAULT = ("gemv", "norm", "rope", "silu")
+#: against 4.54-4.78 without, no gain; removed. ``segment``: the CUDA attention + o_proj
+#: segments (:mod:`.decode_segment`, :mod:`.verify_segment`) launched as cooperative PDL
+#: launches, their pages and weights issued before the wait: plain decode b1 -0.03 ms,
+#: verify-16 -0.04-0.05 ms at 1k and 8k (twenty-fourth runner session).
+PDL_FAMILIES = ("gemv", "norm", "rope", "silu", "attn", "reduce", "segment")
+PDL_DEFAULT = ("gemv", "norm", "rope", "silu", "segment")
 
 
 def pdl_ok(device: torch.device, family: str) -> bool:

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
+from ._device import pdl_ok
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -56,8 +57,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate``
-VARIANT = (SMEM_ROWS, 0, 2)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl``
+VARIANT = (SMEM_ROWS, 0, 2, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -72,6 +73,7 @@ _SOURCE = r"""
 #define RS %(rs)d
 #define RREG %(rreg)d
 #define RLATE %(rlate)d
+#define PDL %(pdl)d
 #define STAMPS %(stamps)d
 #define NW 8
 #define ROWS (RPW * NW)
@@ -197,13 +199,14 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const int c = blockIdx.x;
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
-    // the epilogue's inputs for this warp's rows, read now
+    // the epilogue's inputs for this warp's rows (read now; under PDL after the wait)
     float rres[RPW], rgam[RPW];
-#pragma unroll
-    for (int rr = 0; rr < RPW; ++rr) {
-        rres[rr] = bf(res[c * ROWS + warp + rr * NW]);
-        rgam[rr] = bf(gam[c * ROWS + warp + rr * NW]);
-    }
+#define LOAD_RES() _Pragma("unroll") for (int rr = 0; rr < RPW; ++rr) { \
+        rres[rr] = bf(res[c * ROWS + warp + rr * NW]); \
+        rgam[rr] = bf(gam[c * ROWS + warp + rr * NW]); }
+#if !PDL
+    LOAD_RES()
+#endif
 
     // 1-2. one (KV head, split) of attention; the weight copies start as RLATE says
     const int h = c / SPLITS, sidx = c %% SPLITS;
@@ -212,21 +215,34 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     T = (T + 15) & ~15;
     const int lo = sidx * T, hi = min(lo + T, L);
     float qr[GROUP][8], m[GROUP], l[GROUP], acc[GROUP][8];
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        unpack8(*(const v4*)(q + (size_t)(GROUP * h + g) * 128 + 8 * li), qr[g]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) { qr[g][j] *= qk_scale; acc[g][j] = 0.f; }
-        m[g] = NEG_INF; l[g] = 0.f;
-    }
+#define LOAD_Q() _Pragma("unroll") for (int g = 0; g < GROUP; ++g) { \
+        unpack8(*(const v4*)(q + (size_t)(GROUP * h + g) * 128 + 8 * li), qr[g]); \
+        _Pragma("unroll") for (int j = 0; j < 8; ++j) { qr[g][j] *= qk_scale; acc[g][j] = 0.f; } \
+        m[g] = NEG_INF; l[g] = 0.f; }
+#if !PDL
+    LOAD_Q()
+#endif
     const bf16_t* kbase = kv + layer_off + (long long)h * s_head;
     // this warp's pages p0, p0 + NW, ...; their ids 32 at a time, one per lane
     const int p0 = lo / 16 + warp, pend = (hi + 15) / 16;
     const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
     int btl = lane < npw ? bt[p0 + lane * NW] : 0;
     v4 kr[8], vr[8];
+#if PDL
+    // the first page before the wait unless it holds this step's token (the previous
+    // kernel's K/V write); q and the residual after it
+    const bool early = p0 != (L - 1) / 16;
+    if (npw > 0 && early)
+        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
+    GDC_WAIT();
+    LOAD_RES()
+    LOAD_Q()
+    if (npw > 0 && !early)
+        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
+#else
     if (npw > 0)
         load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
+#endif
     // RLATE 0: the weight rows after warp 0's first page loads; 2: after its last page's
     // loads are issued (the same with <= 1 page); 1: after its products (below)
     if (tid == 0 && (RLATE == 0 || (RLATE == 2 && npw <= 1)))
@@ -368,16 +384,18 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, stamps: bool = False) -> str:
+           rlate: int = 2, pdl: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
-    read its pages (1), or once its last page's loads are issued (2); ``stamps``: per-block
+    read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
+    dependent launch, the first page's loads issued before the wait; ``stamps``: per-block
     phase timestamps, ``benchmarks/segment_proto.py``)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
-                      "rreg": int(rreg), "rlate": int(rlate), "stamps": int(stamps)}
+                      "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
+                      "stamps": int(stamps)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -386,17 +404,17 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          stamps: bool) -> tuple[str, int]:
+          pdl: int, stamps: bool) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, stamps), rs
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps), rs
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, rlate: int, stamps: bool) -> Kernel:
-    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, stamps)
+            rreg: int, rlate: int, pdl: int, stamps: bool) -> Kernel:
+    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps)
     with torch.cuda.device(device):
         return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
 
@@ -457,17 +475,17 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, rlate``; ``None``: :data:`VARIANT` or what
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl``; ``None``: :data:`VARIANT` or what
     ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and ``_stamps``
-    (int64, ``BLOCKS * 8``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
+    (int64, ``BLOCKS * 16``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]
     if residual.shape != (1, n) or norm_weight.shape != (n,):
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
-                   _stamps is not None)
+    v = _variant or _env_variant()
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *v, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -480,7 +498,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0)])
+          _stamps if _stamps is not None else ctypes.c_void_p(0)],
+         pdl=bool(v[3]) and pdl_ok(dev, "segment"))
     return out, h, RowRms(ss, n, eps)
 
 

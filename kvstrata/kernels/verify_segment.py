@@ -16,8 +16,9 @@ products:
    V rows past the sequence zeroed. With 4 query heads per KV head the four warps of a head
    group are a warpgroup and multiply a page straight from the ring (``wgmma``, sm_90a):
    ``QK^T`` as eight m64n16k16, ``PV`` as one m64n128k16; other groupings use per-warp
-   ``mma.m16n8k16`` with ``ldmatrix``. The two warps of a head merge in shared memory into the
-   split's normalised partial and log-sum-exp (base 2);
+   ``mma.m16n8k16`` with ``ldmatrix``. A head's first warp merges the other warps' states
+   (through shared memory) in its registers and stores the split's normalised partial and
+   log-sum-exp (base 2);
 3. a grid barrier; each block merges ``16 * Hq / 128`` (token, head) rows of the splits into
    the bf16 attention output; a second grid barrier;
 4. each block multiplies its ``N / 128`` o_proj rows by the 16 output rows (``mma``, the eight
@@ -57,6 +58,7 @@ from torch import Tensor
 
 from ._cuda import (BLOCKS, PRELUDE, WGMMA, Kernel, compiles, enabled, grid_counter,
                     tensor_map_2d, variant)
+from ._device import pdl_ok
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
 
@@ -76,8 +78,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, wg``
-VARIANT = (STAGES, 0, 1)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl``
+VARIANT = (STAGES, 0, 1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -101,6 +103,7 @@ _SOURCE = r"""
 #define RING (NST * 8192)
 #define NCH (K_IN / 512)
 #define WG %(wg)d
+#define PDL %(pdl)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 static_assert(MT <= 2 && 8 * WP <= RING + 128, "o_proj rows 16-23 fit the ring (+ its slack)");
@@ -145,15 +148,17 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     const int lo = sidx * TS, hi = min(lo + TS, L);
     const int np = hi > lo ? (hi - lo + 15) / 16 : 0;
     STAMP(0)
-    // the epilogue's inputs for this thread's (row, token) items, read now
+    // the epilogue's inputs for this thread's (row, token) items (read now; under PDL after
+    // the wait)
     float rres[2], rgam[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int o2 = tid + k * NT, r = o2 >> 4, t = o2 & 15;
-        const bool ok = o2 < 16 * MT * 16 && t < T;
-        rres[k] = ok ? bf(res[(size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r]) : 0.f;
-        rgam[k] = ok ? bf(gam[c * 16 * MT + r]) : 0.f;
-    }
+#define LOAD_RES() _Pragma("unroll") for (int k = 0; k < 2; ++k) { \
+        const int o2 = tid + k * NT, r = o2 >> 4, t = o2 & 15; \
+        const bool ok = o2 < 16 * MT * 16 && t < T; \
+        rres[k] = ok ? bf(res[(size_t)t * (BLOCKS * 16 * MT) + c * 16 * MT + r]) : 0.f; \
+        rgam[k] = ok ? bf(gam[c * 16 * MT + r]) : 0.f; }
+#if !PDL
+    LOAD_RES()
+#endif
     if (tid == 0) {
         for (int i = 0; i < NST; ++i) { mbar_init(full + i, 1); mbar_init(empty + i, GROUP); }
         mbar_init(wbar, 1);
@@ -176,7 +181,14 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
+#if PDL
+        // pages with any of the last 16 positions hold this step's K/V (the previous kernel's)
+        const int dep = max(0, (L - 16) / 16 - lo / 16);
+#endif
         for (int i = 0; i < np; ++i) {
+#if PDL
+            if (i == dep) GDC_WAIT();
+#endif
             if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
             const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
             const int st = i %% NST;
@@ -192,9 +204,18 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             __syncwarp();
         }
         if (lane == 0) copy_rows(sa(wsm), W + (size_t)c * 16 * MT * K_IN, 16, wbar);
+#if PDL
+        GDC_WAIT();
+        LOAD_RES()
+#endif
     } else {
         // 2. one query head's 16 rows over every WPM-th page of the split
         const int g = warp %% GROUP, par = warp / GROUP, qh = h * GROUP + g;
+#if PDL
+        GDC_WAIT();
+        STAMP(10)
+        LOAD_RES()
+#endif
         u32 qa[8][4];
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
@@ -210,6 +231,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
+            if (i == par) { STAMP(7) }
             const u32 sb = sa(ring) + st * 8192;
 #if WG
             // the warpgroup (this KV head's GROUP = 4 query heads x 16 tokens: m64) multiplies
@@ -321,55 +343,70 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        STAMP(8)
     }
-    __syncthreads();   // every page consumed: the ring holds the compute warps' states now
-    if (warp < NW) {
-        float* red = (float*)ring + warp * 16 * 128;
+    __syncthreads();   // every page consumed: the ring holds the other warps' states now
+    // the split's partial of each (token, head): a head's first warp merges the states of its
+    // WPM - 1 other warps (through the ring) into its registers and stores the partial
+    const int gw = warp %% GROUP, pw = warp / GROUP;
+    if (warp < NW && pw > 0) {
+        v4* red = (v4*)ring + (warp - GROUP) * 16 * 32;
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
-            const int d = 8 * n + 2 * qd;
-            red[r0 * 128 + d] = o[n][0]; red[r0 * 128 + d + 1] = o[n][1];
-            red[(r0 + 8) * 128 + d] = o[n][2]; red[(r0 + 8) * 128 + d + 1] = o[n][3];
-        }
+        for (int n = 0; n < 16; ++n)
+            red[n * 32 + lane] = v4{__float_as_uint(o[n][0]), __float_as_uint(o[n][1]),
+                                    __float_as_uint(o[n][2]), __float_as_uint(o[n][3])};
         if (qd == 0) {
             red_m[warp * 16 + r0] = m0; red_m[warp * 16 + r0 + 8] = m1;
             red_l[warp * 16 + r0] = l0; red_l[warp * 16 + r0 + 8] = l1;
         }
     }
     __syncthreads();
-    // the split's partial of each (token, head): the WPM warps of the head merged, their
-    // weights per (head, token) first
-    float* fac = sq + 16 * 16 * MT;                          // [GROUP * 16][WPM]
-    float* lsev = fac + GROUP * 16 * WPM;                    // [GROUP * 16]
-    if (tid < GROUP * 16) {
-        const int g = tid >> 4, t = tid & 15;
-        float M = NEG_INF, sum = 0.f;
+    if (warp < NW && pw == 0) {
+        // each row's weights: the warps' maxima, then exp2 of the differences over the sum
+        float f0[WPM], f1[WPM];
+        float M0 = m0, M1 = m1;
 #pragma unroll
-        for (int p = 0; p < WPM; ++p) M = fmaxf(M, red_m[(g + p * GROUP) * 16 + t]);
+        for (int p = 1; p < WPM; ++p) {
+            M0 = fmaxf(M0, red_m[(gw + p * GROUP) * 16 + r0]);
+            M1 = fmaxf(M1, red_m[(gw + p * GROUP) * 16 + r0 + 8]);
+        }
+        float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
         for (int p = 0; p < WPM; ++p) {
-            const int w = g + p * GROUP;
-            const float e = M == NEG_INF ? 0.f : exp2f(red_m[w * 16 + t] - M);
-            fac[tid * WPM + p] = e;
-            sum += red_l[w * 16 + t] * e;
+            const int w = gw + p * GROUP;
+            const float a0 = p ? red_m[w * 16 + r0] : m0, a1 = p ? red_m[w * 16 + r0 + 8] : m1;
+            const float b0 = p ? red_l[w * 16 + r0] : l0, b1 = p ? red_l[w * 16 + r0 + 8] : l1;
+            f0[p] = M0 == NEG_INF ? 0.f : exp2f(a0 - M0);
+            f1[p] = M1 == NEG_INF ? 0.f : exp2f(a1 - M1);
+            sum0 += b0 * f0[p];
+            sum1 += b1 * f1[p];
         }
 #pragma unroll
-        for (int p = 0; p < WPM; ++p)
-            fac[tid * WPM + p] = sum > 0.f ? fac[tid * WPM + p] / sum : 0.f;
-        lsev[tid] = sum > 0.f ? M + log2f(sum) : NEG_INF;
-    }
-    __syncthreads();
-    for (int o2 = tid; o2 < GROUP * 16 * 128; o2 += NT) {
-        const int g = o2 >> 11, t = (o2 >> 7) & 15, d = o2 & 127;
-        if (t >= nq) continue;
-        float val = 0.f;
+        for (int p = 0; p < WPM; ++p) {
+            f0[p] = sum0 > 0.f ? f0[p] / sum0 : 0.f;
+            f1[p] = sum1 > 0.f ? f1[p] / sum1 : 0.f;
+        }
+        const int row0 = (sidx * 16 + r0) * HQ + h * GROUP + gw, row1 = row0 + 8 * HQ;
+        float* po0 = part_o + (size_t)row0 * 128 + 2 * qd;
+        float* po1 = part_o + (size_t)row1 * 128 + 2 * qd;
 #pragma unroll
-        for (int p = 0; p < WPM; ++p)
-            val += ((float*)ring)[((g + p * GROUP) * 16 + t) * 128 + d]
-                   * fac[(g * 16 + t) * WPM + p];
-        const int row = (sidx * 16 + t) * HQ + h * GROUP + g;
-        part_o[(size_t)row * 128 + d] = val;
-        if (d == 0) part_lse[row] = lsev[g * 16 + t];
+        for (int n = 0; n < 16; ++n) {
+            float v0 = o[n][0] * f0[0], v1 = o[n][1] * f0[0];
+            float v2 = o[n][2] * f1[0], v3 = o[n][3] * f1[0];
+#pragma unroll
+            for (int p = 1; p < WPM; ++p) {
+                const v4 b = ((const v4*)ring)[((p - 1) * GROUP + gw) * 16 * 32 + n * 32 + lane];
+                v0 += __uint_as_float(b.x) * f0[p]; v1 += __uint_as_float(b.y) * f0[p];
+                v2 += __uint_as_float(b.z) * f1[p]; v3 += __uint_as_float(b.w) * f1[p];
+            }
+            if (r0 < nq) *(float2*)(po0 + 8 * n) = make_float2(v0, v1);
+            if (r0 + 8 < nq) *(float2*)(po1 + 8 * n) = make_float2(v2, v3);
+        }
+        if (qd == 0) {
+            if (r0 < nq) part_lse[row0] = sum0 > 0.f ? M0 + log2f(sum0) : NEG_INF;
+            if (r0 + 8 < nq) part_lse[row1] = sum1 > 0.f ? M1 + log2f(sum1) : NEG_INF;
+        }
+        STAMP(9)
     }
     if (MT > 1) {
         // the ring's last reads are done: o_proj rows 16-23 into it, over the merge and the
@@ -380,6 +417,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             mbar_expect(rbar, 8 * K_IN * 2);
             copy_rows(sa(ring), W + (size_t)(c * 16 * MT + 16) * K_IN, 8, rbar);
         }
+
     }
     STAMP(1)
 
@@ -541,38 +579,39 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 1, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 1, pdl: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
-    4 query heads per KV head only; ``stamps``: per-block phase timestamps)."""
+    4 query heads per KV head only; ``pdl``: a programmatic dependent launch, the pages and the
+    first weight rows issued before the wait; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
                       "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg),
+                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pdl": int(pdl),
                       "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
     """Dynamic shared memory: 1 KB of alignment slack, the ring and 128 bytes (o_proj rows
     16-23 after attention), 16 weight rows (16-byte pad), the mbarriers, the warps' row maxima
-    and sums, the squares of the epilogue, the merge's weights."""
+    and sums, the squares of the epilogue."""
     mt = n_out // (BLOCKS * 16)
     return (1024 + stages * 8192 + 128 + 16 * (k_in * 2 + 16) + (2 * stages + 2) * 8
-            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4 + 1024)
+            + 2 * WARPS * 16 * 4 + 16 * 16 * mt * 4)
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
-          stamps: bool) -> tuple[str, str]:
+          pdl: int, stamps: bool) -> tuple[str, str]:
     """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
     per KV head only) for ``sm_90a``, the ``mma`` build for ``sm_90``."""
     wg = int(bool(wg) and group == 4)
-    return source(nkv, group, k_in, n_out, stages, pref, wg, stamps), "90a" if wg else "90"
+    return source(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps), "90a" if wg else "90"
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, stamps: bool) -> Kernel:
-    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, stamps)
+            pref: int, wg: int, pdl: int, stamps: bool) -> Kernel:
+    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps)
     with torch.cuda.device(device):
         return Kernel(src, "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch=arch if arch == "90a" else None)
@@ -642,7 +681,7 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     plan's ``query_lens`` (a shortened block) take a zero attention output.
 
     ``_variant`` (:func:`source`'s ``stages, pref``; ``None``: :data:`VARIANT`, or what
-    ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps`` (int64, ``BLOCKS * 8``:
+    ``KVSTRATA_VERIFY_SEGMENT_VARIANT`` says) and ``_stamps`` (int64, ``BLOCKS * 16``:
     per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     t, hq, hkv = q.shape[0], q.shape[1], kv_cache.shape[3]
@@ -650,8 +689,8 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"verify_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [{t}, {n}] and [{n}]")
     dev = q.device
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *(_variant or _env_variant()),
-                   _stamps is not None)
+    v = _variant or _env_variant()
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *v, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * MAX_QUERIES * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * MAX_QUERIES * hq, dtype=torch.float32, device=dev)
@@ -665,7 +704,8 @@ def verify_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           meta.query_lens if meta.query_lens is not None else ctypes.c_void_p(0),
           weight, residual.contiguous(), norm_weight.contiguous(), out, h, ss, part_o, part_lse,
           xbuf, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0)])
+          _stamps if _stamps is not None else ctypes.c_void_p(0)],
+         pdl=bool(v[3]) and pdl_ok(dev, "segment"))
     return out, h, RowRms(ss, n, eps)
 
 

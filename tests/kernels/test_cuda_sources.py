@@ -80,10 +80,11 @@ def test_decode_segment_compiles(shape):
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
 
 
-@pytest.mark.parametrize("switches", [(24, 1, 0, True), (16, 0, 1, False), (0, 0, 2, False)])
+@pytest.mark.parametrize("switches", [(24, 1, 0, 1, True), (16, 0, 1, 0, False),
+                                      (0, 0, 2, 0, False)])
 def test_decode_segment_benchmark_switches_compile(switches):
     """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
-    start points, no rows in shared memory, the phase timestamps."""
+    start points, no rows in shared memory, the PDL launch, the phase timestamps."""
     src, rs = ds.build(8, 4, 4096, 4096, *switches)
     assert rs == switches[0]
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
@@ -106,7 +107,7 @@ def test_verify_segment_compiles(shape):
 
 def test_verify_segment_benchmark_switches_compile():
     """The L2 prefetch, a deeper ring and the timestamps (``segment_proto.py --queries``)."""
-    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, True)
+    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, True)
     _check(_compile(src, arch), "verify_segment", vs.THREADS)
 
 

@@ -179,7 +179,7 @@ def test_variant_from_the_environment(monkeypatch):
     monkeypatch.delenv(ds.VARIANT_ENV, raising=False)
     assert ds._env_variant() == ds.VARIANT
     monkeypatch.setenv(ds.VARIANT_ENV, "16:0:1")
-    assert ds._env_variant() == (16, 0, 1)
+    assert ds._env_variant() == (16, 0, 1) + ds.VARIANT[3:]
     monkeypatch.setenv(ds.VARIANT_ENV, "8")
     assert ds._env_variant() == (8,) + ds.VARIANT[1:]
     # when the rows start is a switch of the source: the shipped build starts them once warp
