@@ -28,7 +28,11 @@ The values differ from the Triton attention + ``gemv_add_norm`` path only by sum
 (the CUDA tests bound it).
 
 The source is compiled once per shape with NVRTC through ``torch.cuda._compile_kernel`` (torch's
-bundled NVRTC; no other dependency) and launched with ``cuLaunchCooperativeKernel``.
+bundled NVRTC; no other dependency) and launched as a cooperative launch; where
+:func:`~._device.pdl_ok` allows (family ``segment``) also as a programmatic dependent launch:
+each warp's first page (unless it holds the step's new token, which the kernel before writes)
+and the weight rows are issued before ``griddepcontrol.wait``, q and the residual after it
+(plain decode b1 0.03 ms faster, docs/benchmarks.md, twenty-fourth runner session).
 :func:`decode_segment_ok` says where it applies (sm_90, >= 128 SMs, one query of one sequence, a
 bf16 page-major pool of 16-token pages and 128-dim heads, no sliding window or o_proj bias, shapes
 below); ``KVSTRATA_DECODE_SEGMENT=0`` turns it off. Measured: docs/benchmarks.md, fifteenth runner

@@ -33,6 +33,12 @@ operations in flight (thread 0 arrives with the partial's stores, then the weigh
 flight: each barrier took ~1 us longer in a layer, docs/benchmarks.md, twenty-third runner
 session).
 
+Where :func:`~._device.pdl_ok` allows (family ``segment``) it is also a programmatic dependent
+launch: the producer issues the pages without any of the last 16 positions (the kernel before
+writes this step's K/V) and the first 16 weight rows before ``griddepcontrol.wait``; q, the
+residual and the newest pages come after it (verify-16 0.04-0.05 ms faster at 1k and 8k,
+twenty-fourth runner session).
+
 No float atomics, fixed summation orders: graph replay equals eager bit for bit. The values
 differ from the Triton attention + ``gemv_add_norm`` path only by summation order (the CUDA
 tests bound it). :func:`verify_segment_ok` says where it applies (sm_90, >= 128 SMs, one
