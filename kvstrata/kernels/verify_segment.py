@@ -351,9 +351,16 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
         STAMP(8)
     }
-    // every page consumed: the ring holds the other warps' states now (the compute warps
-    // only: the producer may still be issuing the weight rows' copies)
-    if (warp < NW) asm volatile("bar.sync 4, %%0;" :: "n"(NW * 32) : "memory");
+    // every page consumed: the ring holds the other warps' states now (the warpgroup build:
+    // the compute warps only, the producer may still be issuing the weight rows' copies; the
+    // mma build keeps block barriers: with the named one it spills 36 bytes for 8 query heads
+    // per KV head)
+#if WG
+#define COMPUTE_SYNC() if (warp < NW) asm volatile("bar.sync 4, %%0;" :: "n"(NW * 32) : "memory")
+#else
+#define COMPUTE_SYNC() __syncthreads()
+#endif
+    COMPUTE_SYNC();
     // the split's partial of each (token, head): a head's first warp merges the states of its
     // WPM - 1 other warps (through the ring) into its registers and stores the partial
     const int gw = warp %% GROUP, pw = warp / GROUP;
@@ -368,7 +375,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             red_l[warp * 16 + r0] = l0; red_l[warp * 16 + r0 + 8] = l1;
         }
     }
-    if (warp < NW) asm volatile("bar.sync 4, %%0;" :: "n"(NW * 32) : "memory");
+    COMPUTE_SYNC();
     if (warp < NW && pw == 0) {
         // each row's weights: the warps' maxima, then exp2 of the differences over the sum
         float f0[WPM], f1[WPM];

@@ -100,9 +100,9 @@ def test_verify_segment_compiles(shape):
     src, arch = vs.build(*shape, *vs.VARIANT, False)
     assert arch == ("90a" if shape[1] == 4 else "90")
     # 8 query heads per KV head on the mma build: its 64 splits' merge and the o_proj rows in
-    # registers leave 16 bytes per thread spilled (twenty-third and twenty-fourth runner
-    # sessions); pinned so that it cannot grow unnoticed
-    _check(_compile(src, arch), "verify_segment", vs.THREADS, 16 if shape[1] == 8 else 0)
+    # registers leave 8 bytes per thread spilled (12-16 in the twenty-third runner session);
+    # pinned so that it cannot grow unnoticed
+    _check(_compile(src, arch), "verify_segment", vs.THREADS, 8 if shape[1] == 8 else 0)
 
 
 @pytest.mark.parametrize("mod", [ds, vs])
