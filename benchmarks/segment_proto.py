@@ -8,8 +8,9 @@ Times, 36 layers in one CUDA graph: the Triton path (``paged_attention_triton`` 
 after the first grid barrier), each alone and inside a layer of products (q/k/v with the norm's
 row scale before it, gate/up + SiLU and down after it; no q/k norm, RoPE or K/V write). It
 checks the outputs against the Triton path, and reads each variant's phases inside the graph
-from per-block timestamps (``%globaltimer``): attention's partial stored, the two grid barriers,
-the merge, the input and weights ready, the end.
+from per-block timestamps (``%globaltimer``, 16 slots per block): attention's partial stored, the
+two grid barriers, the merge, the input and weights ready, the end; for the verify segment also
+warp 0's first page in, its pages done, the split merged in the block and its PDL wait over.
 
     python benchmarks/segment_proto.py --contexts 1024 8192 --out $OUT/segment.md
 
