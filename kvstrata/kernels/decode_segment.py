@@ -232,21 +232,18 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
     int btl = lane < npw ? bt[p0 + lane * NW] : 0;
     v4 kr[8], vr[8];
-#if PDL
-    // the first page before the wait unless it holds this step's token (the previous
-    // kernel's K/V write); q and the residual after it
-    const bool early = p0 != (L - 1) / 16;
-    if (npw > 0 && early)
-        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
+    // under PDL the first page before the wait unless it holds this step's token (the
+    // previous kernel's K/V write); q and the residual after it
+    const bool early = !PDL || p0 != (L - 1) / 16;
+#define LOAD_PAGE0() \
+    load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr)
+    if (npw > 0 && early) LOAD_PAGE0();
     GDC_WAIT();
+#if PDL
     LOAD_RES()
     LOAD_Q()
-    if (npw > 0 && !early)
-        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
-#else
-    if (npw > 0)
-        load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr);
 #endif
+    if (npw > 0 && !early) LOAD_PAGE0();
     // RLATE 0: the weight rows after warp 0's first page loads; 2: after its last page's
     // loads are issued (the same with <= 1 page); 1: after its products (below)
     if (tid == 0 && (RLATE == 0 || (RLATE == 2 && npw <= 1)))

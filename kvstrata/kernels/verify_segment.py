@@ -187,14 +187,11 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
         int btl = 0;
-#if PDL
-        // pages with any of the last 16 positions hold this step's K/V (the previous kernel's)
+        // under PDL: pages with any of the last 16 positions hold this step's K/V (the
+        // previous kernel's), read after the wait
         const int dep = max(0, (L - 16) / 16 - lo / 16);
-#endif
         for (int i = 0; i < np; ++i) {
-#if PDL
             if (i == dep) GDC_WAIT();
-#endif
             if ((i & 31) == 0) btl = i + lane < np ? bt[lo / 16 + i + lane] : 0;
             const int y = __shfl_sync(0xffffffffu, btl, i & 31) * page_rows + row0;
             const int st = i %% NST;
