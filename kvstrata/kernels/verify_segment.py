@@ -84,8 +84,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl``
-VARIANT = (STAGES, 0, 1, 1)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl, ring``
+VARIANT = (STAGES, 0, 1, 1, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -110,6 +110,7 @@ _SOURCE = r"""
 #define NCH (K_IN / 512)
 #define WG %(wg)d
 #define PDL %(pdl)d
+#define RLATE %(ring)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 static_assert(MT <= 2 && 8 * WP <= RING + 128, "o_proj rows 16-23 fit the ring (+ its slack)");
@@ -422,9 +423,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     }
     if (MT > 1) {
         // the ring's last reads are done: o_proj rows 16-23 into it, over the merge and the
-        // barriers (memory is idle until the o_proj phase)
+        // barriers (memory is idle until the o_proj phase); RLATE: after the merge
         __syncthreads();
-        if (warp == NW && lane == 0) {
+        if (!RLATE && warp == NW && lane == 0) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             mbar_expect(rbar, 8 * K_IN * 2);
             copy_rows(sa(ring), W + (size_t)(c * 16 * MT + 16) * K_IN, 8, rbar);
@@ -443,29 +444,50 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     }
 #endif
     STAMP(2)
-    for (int o2 = tid; o2 < (16 * HQ / BLOCKS) * 128; o2 += NT) {
-        const int row = c * (16 * HQ / BLOCKS) + (o2 >> 7), d = o2 & 127;
-        const int t = row / HQ, hh = row %% HQ;
-        float v = 0.f;
-        if (t < nq) {
-            float lse[SPLITS], M = NEG_INF;
+    {
+        // a thread's items (token, head, dim) of this block's rows: every partial load of
+        // both items issued before any is used (one L2 round trip, not one per item and
+        // phase: under the ring copies' traffic each took ~1 us)
+        constexpr int ITEMS = (16 * HQ / BLOCKS) * 128, PER = (ITEMS + NT - 1) / NT;
+        float lse[PER][SPLITS], po[PER][SPLITS];
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int o2 = tid + k * NT;
+            const int row = c * (16 * HQ / BLOCKS) + (o2 >> 7), d = o2 & 127;
+            const int t = row / HQ, hh = row %% HQ;
+            const bool ok = o2 < ITEMS && t < nq;
 #pragma unroll
             for (int s = 0; s < SPLITS; ++s) {
-                lse[s] = ld_cg_f(part_lse + (s * 16 + t) * HQ + hh);
-                M = fmaxf(M, lse[s]);
+                lse[k][s] = ok ? ld_cg_f(part_lse + (s * 16 + t) * HQ + hh) : NEG_INF;
+                po[k][s] = ok ? ld_cg_f(part_o + (size_t)((s * 16 + t) * HQ + hh) * 128 + d)
+                              : 0.f;
             }
+        }
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const int o2 = tid + k * NT;
+            const int row = c * (16 * HQ / BLOCKS) + (o2 >> 7), d = o2 & 127;
+            const int t = row / HQ, hh = row %% HQ;
+            float M = NEG_INF, v = 0.f;
+#pragma unroll
+            for (int s = 0; s < SPLITS; ++s) M = fmaxf(M, lse[k][s]);
             if (M != NEG_INF) {
                 float sum = 0.f, val = 0.f;
 #pragma unroll
                 for (int s = 0; s < SPLITS; ++s) {
-                    const float e = exp2f(lse[s] - M);
+                    const float e = exp2f(lse[k][s] - M);
                     sum += e;
-                    val += e * ld_cg_f(part_o + (size_t)((s * 16 + t) * HQ + hh) * 128 + d);
+                    val += e * po[k][s];
                 }
                 v = val / sum;
             }
+            if (o2 < ITEMS) xbuf[(size_t)t * K_IN + hh * 128 + d] = to_bf(v);
         }
-        xbuf[(size_t)t * K_IN + hh * 128 + d] = to_bf(v);
+    }
+    if (RLATE && MT > 1 && warp == NW && lane == 0) {
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        mbar_expect(rbar, 8 * K_IN * 2);
+        copy_rows(sa(ring), W + (size_t)(c * 16 * MT + 16) * K_IN, 8, rbar);
     }
     STAMP(3)
     // o_proj rows 24-31 (a lane's row r0 + 8 of the second tile), every chunk of this warp's
@@ -591,16 +613,19 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 1, pdl: int = 0, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 1, pdl: int = 0, ring: int = 0, stamps: bool = False
+           ) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
     4 query heads per KV head only; ``pdl``: a programmatic dependent launch, the pages and the
-    first weight rows issued before the wait; ``stamps``: per-block phase timestamps)."""
+    first weight rows issued before the wait; ``ring``: o_proj rows 16-23 into the ring once
+    attention is done (0) or after the block's share of the merge (1); ``stamps``:
+    per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
                       "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pdl": int(pdl),
-                      "stamps": int(stamps)}
+                      "ring": int(ring), "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -613,17 +638,18 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
-          pdl: int, stamps: bool) -> tuple[str, str]:
+          pdl: int, ring: int, stamps: bool) -> tuple[str, str]:
     """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
     per KV head only) for ``sm_90a``, the ``mma`` build for ``sm_90``."""
     wg = int(bool(wg) and group == 4)
-    return source(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps), "90a" if wg else "90"
+    return (source(nkv, group, k_in, n_out, stages, pref, wg, pdl, ring, stamps),
+            "90a" if wg else "90")
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, pdl: int, stamps: bool) -> Kernel:
-    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps)
+            pref: int, wg: int, pdl: int, ring: int, stamps: bool) -> Kernel:
+    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, ring, stamps)
     with torch.cuda.device(device):
         return Kernel(src, "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch=arch if arch == "90a" else None)

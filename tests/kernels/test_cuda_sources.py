@@ -99,10 +99,9 @@ VERIFY_SHAPES = [(8, 4, 4096, 4096), (4, 4, 2048, 2048), (8, 2, 2048, 4096), (2,
 def test_verify_segment_compiles(shape):
     src, arch = vs.build(*shape, *vs.VARIANT, False)
     assert arch == ("90a" if shape[1] == 4 else "90")
-    # 8 query heads per KV head on the mma build: its 64 splits' merge and the o_proj rows in
-    # registers leave 8 bytes per thread spilled (12-16 in the twenty-third runner session);
-    # pinned so that it cannot grow unnoticed
-    _check(_compile(src, arch), "verify_segment", vs.THREADS, 8 if shape[1] == 8 else 0)
+    # no shape spills (8 query heads per KV head on the mma build spilled 8-16 bytes per thread
+    # until the grid merge issued all its loads at once, twenty-fifth runner session)
+    _check(_compile(src, arch), "verify_segment", vs.THREADS)
 
 
 @pytest.mark.parametrize("mod", [ds, vs])
@@ -111,7 +110,7 @@ def test_segments_wait_for_the_previous_kernel_only_as_pdl_launches(mod):
     q, the residual and the newest pages); with the switch off the source has no wait."""
     head = (8, 4, 4096, 4096)
     on, arch = mod.build(*head, *mod.VARIANT, False)
-    off, _ = mod.build(*head, *mod.VARIANT[:3], 0, False)
+    off, _ = mod.build(*head, *mod.VARIANT[:3], 0, *mod.VARIANT[4:], False)
     assert mod.VARIANT[3] == 1
     arch = arch if isinstance(arch, str) else "90"
     assert "griddepcontrol.wait" in _compile(on, arch)[0]
@@ -119,8 +118,9 @@ def test_segments_wait_for_the_previous_kernel_only_as_pdl_launches(mod):
 
 
 def test_verify_segment_benchmark_switches_compile():
-    """The L2 prefetch, a deeper ring and the timestamps (``segment_proto.py --queries``)."""
-    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, True)
+    """The L2 prefetch, a deeper ring, the late ring rows and the timestamps
+    (``segment_proto.py --queries``)."""
+    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, 1, True)
     _check(_compile(src, arch), "verify_segment", vs.THREADS)
 
 
