@@ -84,8 +84,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl, pipe``
-VARIANT = (STAGES, 0, 1, 1, 0)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl``
+VARIANT = (STAGES, 0, 1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -110,7 +110,6 @@ _SOURCE = r"""
 #define NCH (K_IN / 512)
 #define WG %(wg)d
 #define PDL %(pdl)d
-#define PIPE %(pipe)d
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 static_assert(MT <= 2 && 8 * WP <= RING + 128, "o_proj rows 16-23 fit the ring (+ its slack)");
@@ -232,14 +231,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             qa[s][3] = r0 + 8 < nq ? *(const u32*)(q1 + 8) : 0u;
         }
         const int qp0 = L - nq + r0, qp1 = qp0 + 8;
-#if WG && PIPE
-        // PIPE: page i's S = QK^T is issued with page i - 1's O += PV still to run, and page
-        // i's softmax overlaps that product; o is rescaled once it is done (the same float
-        // operations on o in the same order: o *= alpha_i, then + P_i V_i). P_{i-1} (the
-        // product's register operand) and page i - 1's stage stay held until then.
-        u32 pp0 = 0u, pp1 = 0u, pp2 = 0u, pp3 = 0u, psb = 0u;
-        int pst = 0;
-#endif
         for (int i = par; i < np; i += WPM) {
             const int st = i %% NST;
             mbar_wait(full + st, (i / NST) & 1);
@@ -265,12 +256,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 asm volatile("bar.sync %%0, 128;" :: "r"(1 + par) : "memory");
             }
             float s[2][4];
-#if PIPE
-            // the previous page's rescale of o and its P before the fence (the product below
-            // reads them)
-            wg_keep64(&o[0][0]);
-            asm volatile("" : "+r"(pp0), "+r"(pp1), "+r"(pp2), "+r"(pp3) :: "memory");
-#endif
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks) {
@@ -278,16 +263,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 if (ks == 0) wg_s<0>(&s[0][0], qa[ks], d); else wg_s<1>(&s[0][0], qa[ks], d);
             }
             wg_commit();
-#if PIPE
-            // page i - 1's product (at the first page: P = 0 against this page's V, which
-            // adds zeros: no branch around a warpgroup product, which would serialise them)
-            if (i == par) psb = sb;
-            wg_pv(&o[0][0], pp0, pp1, pp2, pp3, gdesc(psb + 4096, 2048, 1024));
-            wg_commit();
-            wg_wait<1>();   // S (the older group) is done; the product may still run
-#else
             wg_wait<0>();
-#endif
             wg_keep8(&s[0][0]);
 #else
             float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -333,24 +309,13 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 }
             l0 = l0 * al0 + (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
             l1 = l1 * al1 + (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
-#if WG && PIPE
-            // page i - 1's product done: its operand registers and its stage are free
-            wg_wait<0>();
-            wg_keep64(&o[0][0]);
-            asm volatile("" : "+r"(pp0), "+r"(pp1), "+r"(pp2), "+r"(pp3) :: "memory");
-            __syncwarp();
-            if (i != par && lane == 0) mbar_arrive(empty + pst);
-#endif
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
                 o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
             }
             const u32 pa0 = pack_bf(s[0][0], s[0][1]), pa1 = pack_bf(s[0][2], s[0][3]);
             const u32 pa2 = pack_bf(s[1][0], s[1][1]), pa3 = pack_bf(s[1][2], s[1][3]);
-#if WG && PIPE
-            pp0 = pa0; pp1 = pa1; pp2 = pa2; pp3 = pa3; psb = sb; pst = st;
-            continue;   // the product is issued with the next page's S (or after the loop)
-#elif WG
+#if WG
             wg_keep64(&o[0][0]);
             wg_fence();
             wg_pv(&o[0][0], pa0, pa1, pa2, pa3, gdesc(sb + 4096, 2048, 1024));
@@ -377,19 +342,6 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + st);
         }
-#if WG && PIPE
-        if (par < np) {   // the last page's product
-            wg_keep64(&o[0][0]);
-            wg_fence();
-            wg_pv(&o[0][0], pp0, pp1, pp2, pp3, gdesc(psb + 4096, 2048, 1024));
-            wg_commit();
-            wg_wait<0>();
-            wg_keep64(&o[0][0]);
-            asm volatile("" : "+r"(pp0), "+r"(pp1), "+r"(pp2), "+r"(pp3) :: "memory");
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty + pst);
-        }
-#endif
         l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
         l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
         l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
@@ -493,8 +445,9 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     STAMP(2)
     {
         // a thread's items (token, head, dim) of this block's rows: every partial load of
-        // both items issued before any is used (one L2 round trip, not one per item and
-        // phase: under the ring copies' traffic each took ~1 us)
+        // both items issued before any is used (verify-16 0.01-0.02 ms faster at 8k, and the
+        // mma build for 8 query heads per KV head no longer spills: twenty-fifth runner
+        // session)
         constexpr int ITEMS = (16 * HQ / BLOCKS) * 128, PER = (ITEMS + NT - 1) / NT;
         float lse[PER][SPLITS], po[PER][SPLITS];
 #pragma unroll
@@ -655,19 +608,16 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 1, pdl: int = 0, pipe: int = 0, stamps: bool = False
-           ) -> str:
+           pref: int = 0, wg: int = 1, pdl: int = 0, stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
     4 query heads per KV head only; ``pdl``: a programmatic dependent launch, the pages and the
-    first weight rows issued before the wait; ``pipe``: the warpgroup build's page loop
-    software-pipelined (page i's ``QK^T`` and softmax beside page i - 1's ``PV``; the same
-    values); ``stamps``: per-block phase timestamps)."""
+    first weight rows issued before the wait; ``stamps``: per-block phase timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
                       "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pdl": int(pdl),
-                      "pipe": int(pipe), "stamps": int(stamps)}
+                      "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -680,18 +630,17 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
-          pdl: int, pipe: int, stamps: bool) -> tuple[str, str]:
+          pdl: int, stamps: bool) -> tuple[str, str]:
     """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
     per KV head only) for ``sm_90a``, the ``mma`` build for ``sm_90``."""
     wg = int(bool(wg) and group == 4)
-    return (source(nkv, group, k_in, n_out, stages, pref, wg, pdl, pipe, stamps),
-            "90a" if wg else "90")
+    return source(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps), "90a" if wg else "90"
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, pdl: int, pipe: int, stamps: bool) -> Kernel:
-    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, pipe, stamps)
+            pref: int, wg: int, pdl: int, stamps: bool) -> Kernel:
+    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps)
     with torch.cuda.device(device):
         return Kernel(src, "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch=arch if arch == "90a" else None)
