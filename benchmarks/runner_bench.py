@@ -26,7 +26,9 @@ import gc
 import itertools
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -581,6 +583,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     bw = copy_rate()
     print(f"copy rate {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    monitor = GpuMonitor()
     res = {"copy_rate_Bps": bw, "rows": []}
     lines: list[str] = []
 
@@ -646,6 +649,7 @@ def main():
         shipped_e2e(lines, res)
     lines.append("")
     lines.append(f"copy rate {bw / 1e12:.3f} TB/s (read + write), {torch.cuda.get_device_name()}")
+    lines.append(monitor.summary())
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -653,6 +657,45 @@ def main():
             f.write(text + "\n")
         with open(args.out + ".json", "w") as f:
             json.dump(res, f, indent=1)
+
+
+class GpuMonitor:
+    """``nvidia-smi`` sampling the GPU every 500 ms while the steps run: the SM clock (median,
+    minimum), power and temperature (maxima) and every throttle reason seen. Ratios against the
+    floor differ by a few per cent between machines of one kind with the same tree
+    (twenty-fifth runner session), and the SM clock under load is the first suspect."""
+
+    FIELDS = "clocks.sm,clocks.max.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self) -> None:
+        self._p: subprocess.Popen | None = None
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            self._p = subprocess.Popen(
+                [smi, f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms",
+                 "500", "-i", str(torch.cuda.current_device())],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def summary(self) -> str:
+        if self._p is None:
+            return "GPU clocks: nvidia-smi not found"
+        self._p.terminate()
+        out, _ = self._p.communicate(timeout=10)
+        rows = []
+        for line in out.splitlines():
+            v = [x.strip() for x in line.split(",")]
+            try:
+                rows.append((float(v[0]), float(v[1]), float(v[2]), float(v[3]), v[4]))
+            except (ValueError, IndexError):
+                continue
+        if not rows:
+            return "GPU clocks: no samples"
+        sm = sorted(r[0] for r in rows)
+        reasons = sorted({r[4] for r in rows})
+        return (f"GPU while the steps ran ({len(rows)} samples of nvidia-smi): SM clock median "
+                f"{statistics.median(sm):.0f} MHz, min {sm[0]:.0f} (max {rows[0][1]:.0f}), "
+                f"power max {max(r[2] for r in rows):.0f} W, temperature max "
+                f"{max(r[3] for r in rows):.0f} C, throttle reasons {' '.join(reasons)}")
 
 
 if __name__ == "__main__":
