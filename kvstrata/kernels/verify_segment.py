@@ -350,8 +350,8 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
     }
     // every page consumed: the ring holds the other warps' states now (the warpgroup build:
     // the compute warps only, the producer may still be issuing the weight rows' copies; the
-    // mma build keeps block barriers: with the named one it spills 36 bytes for 8 query heads
-    // per KV head)
+    // mma build keeps block barriers: with the named one it spilled 36 bytes for 8 query heads
+    // per KV head, none since the grid merge's loads are issued at once, not yet measured)
 #if WG
 #define COMPUTE_SYNC() if (warp < NW) asm volatile("bar.sync 4, %%0;" :: "n"(NW * 32) : "memory")
 #else
