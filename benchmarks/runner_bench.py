@@ -22,6 +22,7 @@ K/V in the pool) and stepped exactly as the engine steps them: reserve, ``ModelR
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import itertools
 import json
@@ -30,6 +31,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -669,18 +671,35 @@ class GpuMonitor:
 
     def __init__(self) -> None:
         self._p: subprocess.Popen | None = None
+        # samples into a file (a pipe nobody reads would fill and stall the sampler)
+        self._out = tempfile.TemporaryFile(mode="w+")
         smi = shutil.which("nvidia-smi")
         if smi is not None:
             self._p = subprocess.Popen(
                 [smi, f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", "-lms",
                  "500", "-i", str(torch.cuda.current_device())],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                stdout=self._out, stderr=subprocess.DEVNULL, text=True)
+            # stopped on every exit, a failed benchmark's too
+            atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """Ends the sampler (idempotent)."""
+        if self._p is not None and self._p.poll() is None:
+            self._p.terminate()
+            try:
+                self._p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._p.kill()
+                self._p.wait()
 
     def summary(self) -> str:
+        """Stops the sampler and summarises its samples."""
         if self._p is None:
             return "GPU clocks: nvidia-smi not found"
-        self._p.terminate()
-        out, _ = self._p.communicate(timeout=10)
+        self.stop()
+        self._out.seek(0)
+        out = self._out.read()
+        self._out.close()
         rows = []
         for line in out.splitlines():
             v = [x.strip() for x in line.split(",")]
