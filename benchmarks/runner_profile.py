@@ -169,14 +169,15 @@ def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -
     # rides in a segment launch where one serves), counted over a replay's gemv launches in
     # order: exact when the step's other products (heads, the drafter's context write) are
     # fewer than the places and come last; else "other" and the places are approximate.
-    per = sum(e.name == "_gemv_kernel" for e in evs) // max(steps, 1)
+    prods = ("_gemv_kernel", "stream_gemv")
+    per = sum(e.name in prods for e in evs) // max(steps, 1)
     segmented = any(e.name in ("decode_segment", "verify_segment") for e in evs)
     places = ("q/k/v", "gate/up", "down") if segmented else ("q/k/v", "o_proj", "gate/up", "down")
     seen = 0
     prev_end = None
     for e in evs:
         nm = e.name if len(e.name) < 70 else e.name[:67] + "..."
-        if nm == "_gemv_kernel" and per:
+        if nm in prods and per:
             i = seen % per
             seen += 1
             k = len(places)

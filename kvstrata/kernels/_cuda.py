@@ -222,11 +222,13 @@ __device__ __forceinline__ void wg_pv(float* d, u32 a0, u32 a1, u32 a2, u32 a3, 
 """
 
 class Kernel:
-    """A compiled kernel and its dynamic shared memory; each call is one cooperative launch of
-    :data:`BLOCKS` blocks of ``threads`` on the current stream. Arguments: tensors (their
-    addresses), ``ctypes`` scalars, or a tensor map (:func:`tensor_map_2d`, by value)."""
+    """A compiled kernel and its dynamic shared memory; each call is one launch of ``blocks``
+    blocks of ``threads`` on the current stream (a cooperative launch unless ``cooperative``
+    is False). Arguments: tensors (their addresses), ``ctypes`` scalars, or a tensor map
+    (:func:`tensor_map_2d`, by value)."""
 
-    def __init__(self, src: str, name: str, smem: int, threads: int, arch: str | None = None):
+    def __init__(self, src: str, name: str, smem: int, threads: int, arch: str | None = None,
+                 blocks: int = BLOCKS, cooperative: bool = True):
         from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
         self._check = _check_cuda
         self._lib = _get_gpu_runtime_library()
@@ -235,6 +237,7 @@ class Kernel:
                                              nvcc_options=["-std=c++17"])
         self._k.set_shared_memory_config(smem)
         self.smem, self.threads = smem, threads
+        self.blocks, self.cooperative = blocks, cooperative
 
     def __call__(self, args: list, pdl: bool = False) -> None:
         """One launch; ``pdl``: as a programmatic dependent launch too (the kernel may start
@@ -248,15 +251,18 @@ class Kernel:
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         u = ctypes.c_uint
         if not pdl:
-            self._check(self._lib.cuLaunchCooperativeKernel(
-                self._k.func, u(BLOCKS), u(1), u(1), u(self.threads), u(1), u(1),
-                u(self.smem), stream, params))
+            dims = (u(self.blocks), u(1), u(1), u(self.threads), u(1), u(1), u(self.smem))
+            if self.cooperative:
+                self._check(self._lib.cuLaunchCooperativeKernel(self._k.func, *dims, stream,
+                                                                params))
+            else:
+                self._check(self._lib.cuLaunchKernel(self._k.func, *dims, stream, params, None))
             return
         attrs = (_LaunchAttribute * 2)()
-        attrs[0].id, attrs[0].value = _ATTR_COOPERATIVE, 1
-        attrs[1].id, attrs[1].value = _ATTR_PROGRAMMATIC_SERIALIZATION, 1
-        cfg = _LaunchConfig(BLOCKS, 1, 1, self.threads, 1, 1, self.smem, stream,
-                            ctypes.cast(attrs, ctypes.c_void_p), 2)
+        attrs[0].id, attrs[0].value = _ATTR_PROGRAMMATIC_SERIALIZATION, 1
+        attrs[1].id, attrs[1].value = _ATTR_COOPERATIVE, 1
+        cfg = _LaunchConfig(self.blocks, 1, 1, self.threads, 1, 1, self.smem, stream,
+                            ctypes.cast(attrs, ctypes.c_void_p), 1 + self.cooperative)
         self._check(self._lib.cuLaunchKernelEx(ctypes.byref(cfg), self._k.func, params, None))
 
 

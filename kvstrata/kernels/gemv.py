@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 from .layer_ops import silu_mul_merged
+from .stream_gemv import stream_gemv, stream_gemv_ok
 
 try:
     import triton
@@ -267,8 +268,9 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "aut
     scaled per row by ``rms.rstd()`` (in float32, before the bias and the rounding).
 
     On CUDA with ``M <= GEMV_MAX_ROWS`` bf16/fp16 rows-contiguous operands one Triton launch
-    with the measured tile (:func:`gemv_launch`), else the torch ops. Values differ from
-    cuBLAS's only by the summation order (float32 sums).
+    with the measured tile (:func:`gemv_launch`); one bf16 row on Hopper without a bias
+    :func:`~.stream_gemv.stream_gemv` (bulk copies before the PDL wait); else the torch ops.
+    Values differ from cuBLAS's only by the summation order (float32 sums).
     """
     return _gemv(x, weight, bias, None, impl, gated, rms)
 
@@ -339,9 +341,16 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
                             or rms.parts.dtype != torch.float32):
         raise ValueError(f"gemv: rms parts {tuple(rms.parts.shape)} {rms.parts.dtype} over "
                          f"{rms.dim} columns do not fit x {tuple(x.shape)} (float32 [M, P])")
-    lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
+    if launch is None and M == 1 and stream_gemv_ok(x, weight, bias, gated, impl,
+                                                    add_norm is not None):
+        y = stream_gemv(x, weight, gated=gated, rms=rms, add_norm=add_norm)
+        if add_norm is None:
+            return y
+        out, h, parts, eps = y
+        return out, h, RowRms(parts, N, eps)
+    lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     if lt is None:
         y = F.linear(x, weight, None if rms is not None else bias)
         if rms is not None:

@@ -1,0 +1,303 @@
+"""One-row products streamed through shared memory by bulk copies (Hopper, CUDA C++).
+
+At batch 1 a product reads each weight byte once, and what separates a chain of them from the
+copy rate is each launch's ramp and tail: the Triton :func:`~.gemv.gemv` can read only its
+first weight tile before it waits for the previous kernel (``griddepcontrol.wait``), so every
+product starts with its loads' latency exposed (docs/benchmarks.md, runner sessions 5-11:
+the Triton chain 1.10-1.13x the read floor, a bulk-copy stream alone 0.99x).
+
+:func:`stream_gemv` is one launch of one block per SM (each block owns a contiguous range of
+weight rows, the ranges balanced to within one row). Every warp's lane 0 starts bulk copies
+(``cp.async.bulk``) of its first rows into a ring of shared-memory stages (one row, or a gate
+and an up row, per stage, about 192 KB per block) *before* the wait, so a product streams up
+to 25 MB of its weights while the previous kernel finishes; the blocks let the next kernel
+launch at once (it can only land on an SM a block of this one has left: a block holds most of
+the SM's shared memory). After the wait the input row goes to shared memory and each warp
+takes the stages ``warp, warp + NW, ...`` (a stage's phases in order, by one warp): 8 inputs
+per lane and step, float32 sums, the warp's sum by shuffles, then the stage is refilled with
+the warp's row ``NS`` further on.
+
+Epilogues as :func:`~.gemv.gemv`'s: ``RMS_IN`` (the row scaled by the previous norm's
+``rsqrt``, :class:`~.gemv.RowRms`), ``GATED`` (``silu(gate) * up``, each rounded as the separate
+ops round), ``ADD_NORM`` (``h = residual + product``, ``norm_weight * h`` and the block's sum of
+squares of ``h``: one part per block). Sums run in a fixed order: deterministic, graph replay
+equals eager bit for bit; values differ from the Triton kernel's by the summation order only.
+
+:func:`stream_gemv_ok` says where it serves (sm_90, one bf16 row, no bias, ``K`` a multiple of
+256 up to 16384); ``KVSTRATA_STREAM_GEMV=0`` keeps every product on Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from ._cuda import PRELUDE, Kernel, compiles, variant
+from ._device import num_sms, pdl_ok
+
+#: ``KVSTRATA_STREAM_GEMV=0``: one-row products stay on the Triton kernel.
+STREAM_ENV = "KVSTRATA_STREAM_GEMV"
+#: the switches as shipped: consumer warps; ring KB per block; the products that let the next
+#: kernel launch once every block has issued its first copies (the others: when they
+#: complete); the products served. The last two are masks of 1 (plain, e.g. q/k/v), 2 (gated:
+#: gate/up) and 4 (the add-norm epilogue: down). Measured on the H200 (docs/benchmarks.md,
+#: twenty-sixth runner session): the gated product lost to Triton's (52 against 48.5 us per
+#: layer); an early launch of the kernel after q/k/v (its norm + RoPE, then the segment) made
+#: the decode segment slower, after down (q/k/v) it pays.
+VARIANT = (8, 192, 4, 5)
+#: for benchmarks: colon-separated switches replacing :data:`VARIANT`'s first ones
+VARIANT_ENV = "KVSTRATA_STREAM_GEMV_VARIANT"
+#: the most dynamic shared memory a block of an H100/H200 may take
+_SMEM_MAX = 227 * 1024
+
+_SOURCE = r"""
+#define K_IN %(k)d
+#define GATED %(gated)d
+#define RMS_IN %(rms_in)d
+#define ADD_NORM %(add_norm)d
+#define NW %(nw)d
+#define NS %(ns)d
+#define MAXR %(maxr)d
+#define PDL %(pdl)d
+#define TRIGGER %(trigger)d
+#define STAMPS 0
+#define ROWB (K_IN * 2)
+#define STAGEB (ROWB * (1 + GATED))
+%(prelude)s
+// row i of this block (and its up row) into stage i %% NS, completing on full[i %% NS]
+__device__ __forceinline__ void issue(const bf16_t* W, int N, int r, unsigned char* ring,
+                                      u64* full, int i) {
+    const int s = i %% NS;
+    mbar_expect(&full[s], STAGEB);
+#pragma unroll
+    for (int part = 0; part <= GATED; ++part) {
+        const unsigned char* src = (const unsigned char*)(W + ((size_t)part * N + r) * K_IN);
+        for (int off = 0; off < ROWB; off += 16384)
+            bulk_copy(sa(ring + s * STAGEB + part * ROWB + off), src + off,
+                      min(ROWB - off, 16384), &full[s]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NW * 32, 1)
+stream_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ W, bf16_t* __restrict__ out,
+            int N, const float* __restrict__ ss_in, int parts_in, float eps,
+            const bf16_t* __restrict__ res, const bf16_t* __restrict__ gam,
+            bf16_t* __restrict__ hout, float* __restrict__ ss_out) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    u64* full = (u64*)smem;                                       // NS mbarriers
+    unsigned char* ring = smem + 1024;                            // NS stages
+    bf16_t* xs = (bf16_t*)(ring + NS * STAGEB);                    // the input row
+    float* ep = (float*)(xs + K_IN);                              // residual, norm weight
+    float* ssw = ep + 2 * MAXR;                                   // [NW]
+    float* rs = ssw + NW;                                         // the input's row scale
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int b = blockIdx.x, G = gridDim.x;
+    const int r0 = (int)((long long)N * b / G), nr = (int)((long long)N * (b + 1) / G) - r0;
+    const unsigned FULL = 0xffffffffu;
+    // a warp's stages are warp, warp + NW, ... (NS is a multiple of NW): only it uses them
+    if (lane == 0) {
+        for (int s = warp; s < NS; s += NW) mbar_init(&full[s], 1);
+        mbar_fence_init();
+        // the weights depend on no kernel: issued before the wait
+        for (int i = warp; i < NS && i < nr; i += NW) issue(W, N, r0 + i, ring, full, i);
+    }
+#if PDL && TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    GDC_WAIT();
+    for (int o = tid * 8; o < K_IN; o += NW * 256) *(v4*)(xs + o) = *(const v4*)(x + o);
+#if RMS_IN
+    if (warp == 0) {
+        float t = 0.f;
+        for (int p = lane; p < parts_in; p += 32) t += ss_in[p];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(FULL, t, off);
+        if (lane == 0) rs[0] = rsqrtf(t / K_IN + eps);
+    }
+#endif
+#if ADD_NORM
+    for (int i = tid; i < nr; i += NW * 32) { ep[i] = bf(res[r0 + i]); ep[MAXR + i] = bf(gam[r0 + i]); }
+#endif
+    __syncthreads();
+#if RMS_IN
+    const float rstd = rs[0];
+#endif
+    float ssum = 0.f;
+    for (int i = warp; i < nr; i += NW) {
+        const int s = i %% NS;
+        mbar_wait(&full[s], (i / NS) & 1);
+        const unsigned char* st = ring + s * STAGEB;
+        float a = 0.f, au = 0.f;
+#pragma unroll 4
+        for (int it = 0; it < K_IN / 256; ++it) {
+            const int col = it * 256 + lane * 8;
+            float xf[8], wf[8];
+            unpack8(*(const v4*)(xs + col), xf);
+            unpack8(*(const v4*)(st + col * 2), wf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a = fmaf(wf[j], xf[j], a);
+#if GATED
+            unpack8(*(const v4*)(st + ROWB + col * 2), wf);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) au = fmaf(wf[j], xf[j], au);
+#endif
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            a += __shfl_xor_sync(FULL, a, off);
+            if (GATED) au += __shfl_xor_sync(FULL, au, off);
+        }
+        // every lane's reads of the stage are done (the sums above need them): refill it
+        if (lane == 0 && i + NS < nr) {
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            issue(W, N, r0 + i + NS, ring, full, i + NS);
+        }
+        if (lane == 0) {
+            const int n = r0 + i;
+#if RMS_IN
+            a *= rstd;
+            au *= rstd;
+#endif
+#if GATED
+            // silu(gate) rounded, times up: as silu_mul_merged rounds the separate product
+            const float g = bf(to_bf(a)), u = bf(to_bf(au));
+            out[n] = to_bf(bf(to_bf(g / (1.f + expf(-g)))) * u);
+#elif ADD_NORM
+            // h = residual + product, g * h: as gemv_add_norm rounds them
+            const bf16_t hn = to_bf(ep[i] + bf(to_bf(a)));
+            hout[n] = hn;
+            const float hf = bf(hn);
+            ssum += hf * hf;
+            out[n] = to_bf(ep[MAXR + i] * hf);
+#else
+            out[n] = to_bf(a);
+#endif
+        }
+    }
+#if ADD_NORM
+    if (lane == 0) ssw[warp] = ssum;
+    __syncthreads();
+    if (tid == 0) {
+        float t = 0.f;
+        for (int w = 0; w < NW; ++w) t += ssw[w];
+        ss_out[b] = t;
+    }
+#endif
+}
+"""
+
+
+def _env_variant() -> tuple[int, ...]:
+    return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
+
+
+def stages(k: int, gated: bool, nw: int, ring_kb: int) -> int:
+    """Ring stages: the most multiples of ``nw`` whose rows fit ``ring_kb`` (at least ``nw``)."""
+    per = k * 2 * (2 if gated else 1)
+    return min(128, max(nw, (ring_kb * 1024 // per) // nw * nw))
+
+
+def smem_bytes(k: int, gated: bool, ns: int, nw: int, maxr: int) -> int:
+    """Dynamic shared memory: the mbarriers (1 KB), the ring, the input row, the epilogue's
+    rows and sums."""
+    return 1024 + ns * k * 2 * (2 if gated else 1) + k * 2 + (2 * maxr + nw + 1) * 4
+
+
+def build(k: int, n: int, blocks: int, gated: bool, rms_in: bool, add_norm: bool, nw: int,
+          ring_kb: int, trigger: int, pdl: int) -> tuple[str, int]:
+    """The source of one shape and epilogue, and its dynamic shared memory."""
+    ns = stages(k, gated, nw, ring_kb)
+    maxr = -(-n // blocks)
+    while ns > nw and smem_bytes(k, gated, ns, nw, maxr) > _SMEM_MAX:
+        ns -= nw
+    src = _SOURCE % {"prelude": PRELUDE, "k": k, "gated": int(gated), "rms_in": int(rms_in),
+                     "add_norm": int(add_norm), "nw": nw, "ns": ns, "maxr": maxr,
+                     "pdl": int(pdl), "trigger": int(trigger)}
+    return src, smem_bytes(k, gated, ns, nw, maxr)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: torch.device, k: int, n: int, gated: bool, rms_in: bool, add_norm: bool,
+            nw: int, ring_kb: int, trigger: int, pdl: int) -> Kernel:
+    blocks = num_sms(device, 132)
+    trigger = int(bool(trigger & (2 if gated else 4 if add_norm else 1)))
+    src, smem = build(k, n, blocks, gated, rms_in, add_norm, nw, ring_kb, trigger, pdl)
+    with torch.cuda.device(device):
+        return Kernel(src, "stream_gemv", smem, nw * 32, blocks=blocks, cooperative=False)
+
+
+def stream_gemv_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
+                   impl: str = "auto", add_norm: bool = False) -> bool:
+    """Whether :func:`stream_gemv` serves ``F.linear(x, weight)``: ``impl="auto"``, one
+    contiguous bf16 row on an sm_90 GPU (``KVSTRATA_STREAM_GEMV`` not ``0``), a contiguous
+    weight that :func:`fits`, no bias, 16-byte aligned operands, and the shape compiles."""
+    if (impl != "auto" or x.device.type != "cuda" or os.environ.get(STREAM_ENV, "1") == "0"
+            or bias is not None or x.dim() != 2 or x.shape[0] != 1
+            or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or not x.is_contiguous() or not weight.is_contiguous() or weight.dim() != 2
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or torch.cuda.get_device_capability(x.device)[0] != 9):
+        return False
+    n, k = weight.shape
+    n //= 2 if gated else 1
+    blocks = num_sms(x.device, 132)
+    if not _env_variant()[3] & (2 if gated else 4 if add_norm else 1):
+        return False
+    if (k != x.shape[1] or not fits(k, n, gated, blocks) or x.data_ptr() % 16
+            or weight.data_ptr() % 16):
+        return False
+    return _compiled(x.device, k, n, gated)
+
+
+def fits(k: int, n: int, gated: bool, blocks: int) -> bool:
+    """``K`` a multiple of 256, at least a row per block, and the ring (at least one stage per
+    warp) with the rest in a block's shared memory, with the switches in force."""
+    nw, ring_kb = _env_variant()[:2]
+    if k % 256 or n < blocks:
+        return False
+    maxr = -(-n // blocks)
+    return smem_bytes(k, gated, stages(k, gated, nw, ring_kb), nw, maxr) <= _SMEM_MAX
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(device: torch.device, k: int, n: int, gated: bool) -> bool:
+    v = _env_variant()
+    return compiles(
+        lambda: [_kernel(device, k, n, gated, r, a, *v[:3], int(pdl_ok(device, "gemv")))
+                 for r in (False, True)
+                 for a in ((False,) if gated else (False, True))],
+        f"kernels.stream_gemv: not compiled for [{n}, {k}]{' gated' if gated else ''} on "
+        f"{device}", "one-row products keep the Triton kernel")
+
+
+def stream_gemv(x: Tensor, weight: Tensor, *, gated: bool = False, rms=None,
+                add_norm: tuple[Tensor, Tensor, float] | None = None):
+    """:func:`~.gemv.gemv` / :func:`~.gemv.gemv_add_norm` of one row where
+    :func:`stream_gemv_ok` holds: ``out [1, N]``, or ``(out, h, parts [1, blocks], eps)``
+    with ``add_norm`` (the caller wraps the parts in a :class:`~.gemv.RowRms`)."""
+    k = x.shape[1]
+    n = weight.shape[0] // (2 if gated else 1)
+    dev = x.device
+    v = _env_variant()
+    kern = _kernel(dev, k, n, gated, rms is not None, add_norm is not None, *v[:3],
+                   int(pdl_ok(dev, "gemv")))
+    out = torch.empty((1, n), dtype=x.dtype, device=dev)
+    ss_in = rms.parts.contiguous() if rms is not None else out
+    args = [x, weight, out, ctypes.c_int32(n), ss_in,
+            ctypes.c_int32(ss_in.shape[1] if rms is not None else 0),
+            ctypes.c_float(rms.eps if rms is not None else 0.0)]
+    if add_norm is None:
+        kern(args + [out, out, out, out], pdl=pdl_ok(dev, "gemv"))
+        return out
+    residual, g, eps = add_norm
+    h = torch.empty((1, n), dtype=x.dtype, device=dev)
+    parts = torch.empty((1, kern.blocks), dtype=torch.float32, device=dev)
+    kern(args + [residual.contiguous(), g.contiguous(), h, parts], pdl=pdl_ok(dev, "gemv"))
+    return out, h, parts, eps
+
+
+__all__ = ["STREAM_ENV", "stream_gemv", "stream_gemv_ok"]

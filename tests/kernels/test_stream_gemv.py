@@ -1,0 +1,157 @@
+"""The one-row bulk-copy products (kernels/stream_gemv.py): every epilogue's source compiles on
+the CPU without spills (NVRTC, as test_cuda_sources does for the segments); on an H200/H100
+against the float32 product and the Triton kernel's epilogues (bf16, within rounding), h bit
+for bit add_rms_norm's, deterministic, CUDA-graph replay == eager bit for bit, PDL on == off,
+and the switch that keeps the Triton kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvstrata.kernels import _device
+from kvstrata.kernels import stream_gemv as sg
+from kvstrata.kernels.gemv import GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm
+from kvstrata.kernels.layer_ops import add_rms_norm
+
+from test_cuda_sources import _check, _compile
+
+# (out rows, in): Qwen3-8B's q/k/v, gate/up (gated), down, o_proj; a drafter-sized and an
+# uneven one (rows not a multiple of the blocks)
+SHAPES = [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False), (4096, 4096, False),
+          (1000, 512, False), (1333, 768, True)]
+
+
+@pytest.mark.parametrize("n,k,gated", SHAPES)
+@pytest.mark.parametrize("rms_in,add_norm", [(False, False), (True, False), (False, True)])
+def test_sources_compile_without_spills(n, k, gated, rms_in, add_norm):
+    """Every epilogue, each with the early launch of the next kernel and without."""
+    if gated and add_norm:
+        pytest.skip("the gated product has no add-norm epilogue")
+    src, smem = sg.build(k, n, 132, gated, rms_in, add_norm, *sg.VARIANT[:3], 1)
+    assert smem <= 227 * 1024
+    _check(_compile(src, "90"), "stream_gemv", sg.VARIANT[0] * 32)
+    for trigger in (0, 1):
+        src, _ = sg.build(k, n, 132, gated, rms_in, add_norm, 8, 192, trigger, 1)
+        _check(_compile(src, "90"), "stream_gemv", 256)
+
+
+def test_ring_fits_shared_memory():
+    # every stage a whole row (or gate + up row); the ring a multiple of the warps
+    for k, gated in ((4096, False), (4096, True), (12288, False), (256, False)):
+        ns = sg.stages(k, gated, 8, 192)
+        assert ns % 8 == 0 and ns >= 8
+        _, smem = sg.build(k, 4096, 132, gated, True, False, 8, 192, 1, 1)
+        assert smem <= 227 * 1024 and sg.fits(k, 4096, gated, 132)
+    assert sg.stages(4096, False, 8, 192) == 24 and sg.stages(12288, False, 8, 192) == 8
+    assert not sg.fits(16384, 4096, True, 132)          # 8 stages of 64 KB do not fit
+    assert not sg.fits(4096, 100, False, 132)           # fewer rows than blocks
+    assert not sg.fits(4000, 4096, False, 132)          # K not a multiple of 256
+
+
+def test_not_served_off_hopper_or_for_other_operands(monkeypatch):
+    x, w = torch.randn(1, 256).bfloat16(), torch.randn(512, 256).bfloat16()
+    assert not sg.stream_gemv_ok(x, w, None, False)                 # CPU
+    assert not sg.stream_gemv_ok(x, w, None, False, impl="triton")
+    with pytest.raises(ValueError, match="colon-separated"):
+        monkeypatch.setenv(sg.VARIANT_ENV, "8:x")
+        sg._env_variant()
+    monkeypatch.setenv(sg.VARIANT_ENV, "4")
+    assert sg._env_variant() == (4,) + sg.VARIANT[1:]
+
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available()
+                               and torch.cuda.get_device_capability()[0] == 9),
+                          reason="needs a Hopper GPU")
+
+
+def _ops(n, k, gated, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, generator=g, **bf)
+    w = torch.randn(n * (2 if gated else 1), k, generator=g, **bf) * k ** -0.5
+    return x, w
+
+
+def _close(got, want):
+    torch.testing.assert_close(got.float(), want.float(), rtol=0,
+                               atol=2e-2 * want.float().abs().max().item())
+
+
+TRITON = GemvLaunch(32, 128, 3, 4)      # an explicit tile keeps _gemv on the Triton kernel
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,gated", SHAPES)
+def test_cuda_products_against_float32_and_the_triton_kernel(n, k, gated, monkeypatch):
+    """Every kind of product, the gated one (not served as shipped) by its switch."""
+    monkeypatch.setenv(sg.VARIANT_ENV, "8:192:4:7")
+    x, w = _ops(n, k, gated, seed=n + k)
+    assert sg.stream_gemv_ok(x, w, None, gated)
+    y = gemv(x, w, gated=gated)
+    assert torch.equal(y, gemv(x, w, gated=gated))                 # deterministic
+    ref = _gemv(x, w, None, TRITON, gated=gated)
+    _close(y, ref)
+    if not gated:
+        _close(y, F.linear(x.float(), w.float()))
+    # the input's row scale (a previous norm's rsqrt) in the epilogue
+    parts = torch.rand(1, 128, device="cuda") * k
+    rms = RowRms(parts, k, 1e-6)
+    _close(gemv(x, w, gated=gated, rms=rms), _gemv(x, w, None, TRITON, gated=gated, rms=rms))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 12288), (1000, 512)])
+def test_cuda_add_norm_epilogue(n, k):
+    x, w = _ops(n, k, False, seed=n)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    res = torch.randn(1, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    gamma = 1 + 0.1 * torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    xg, h, rms = gemv_add_norm(x, w, None, res, gamma, 1e-6)
+    assert rms.parts.shape == (1, torch.cuda.get_device_properties(0).multi_processor_count)
+    x_ref, h_ref = add_rms_norm(gemv(x, w), gamma, 1e-6, residual=res)
+    assert torch.equal(h, h_ref)
+    assert torch.equal(xg, (gamma.float() * h.float()).to(torch.bfloat16))
+    torch.testing.assert_close(rms.rstd(), h.float().square().mean(1).add(1e-6).rsqrt(),
+                               rtol=1e-5, atol=0)
+    xg2, h2, rms2 = gemv_add_norm(x, w, None, res, gamma, 1e-6)
+    assert torch.equal(xg, xg2) and torch.equal(h, h2) and torch.equal(rms.parts, rms2.parts)
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_and_pdl_off(monkeypatch):
+    """A layer's three products chained (down -> q/k/v -> gate/up), captured in a graph:
+    replays equal the eager launches bit for bit, and so do launches without PDL."""
+    xd, wd = _ops(4096, 12288, False, seed=3)
+    _, wq = _ops(6144, 4096, False, seed=4)
+    _, wgu = _ops(12288, 4096, True, seed=5)
+    res = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+
+    def chain(xin):
+        xg, h, rms = gemv_add_norm(xin, wd, None, res, gamma, 1e-6)
+        q = gemv(xg, wq, rms=rms)
+        return q, gemv(xg, wgu, gated=True, rms=rms)
+
+    eager = chain(xd)
+    xs = xd.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(xs)
+    for seed in range(3):
+        xs.copy_(torch.randn(1, 12288, generator=torch.Generator(device="cuda").manual_seed(seed),
+                             device="cuda", dtype=torch.bfloat16) if seed else xd)
+        graph.replay()
+        want = chain(xs)
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
+    monkeypatch.setenv(_device.PDL_ENV, "0")
+    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
+    assert not sg.stream_gemv_ok(out[0][:, :4096].contiguous(), wgu, None, True)  # as shipped
+    monkeypatch.setenv(sg.STREAM_ENV, "0")
+    assert not sg.stream_gemv_ok(xd, wd, None, False)
