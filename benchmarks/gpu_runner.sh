@@ -73,7 +73,8 @@ for s in "${steps[@]}"; do
                *) IFS=+ read -ra envs <<< "$t" ;;
              esac
              env "${envs[@]}" PYTHONPATH=$pp python3 benchmarks/runner_bench.py --batches \
-               ${AB_BATCHES:-1} --steps 24 --attn-contexts ${AB_ARGS:-} 2>&1 | grep "^| [pvsd]\|^GPU while"
+               ${AB_BATCHES:-1} --steps 24 --attn-contexts ${AB_ARGS:-} 2>&1 \
+               | grep "^| [pvsd]\|^GPU while"
            done
          done > "$OUT/ab.log" 2>&1 ;;
     attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \

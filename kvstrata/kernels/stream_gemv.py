@@ -120,7 +120,10 @@ stream_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ W, bf16_t* 
     }
 #endif
 #if ADD_NORM
-    for (int i = tid; i < nr; i += NW * 32) { ep[i] = bf(res[r0 + i]); ep[MAXR + i] = bf(gam[r0 + i]); }
+    for (int i = tid; i < nr; i += NW * 32) {
+        ep[i] = bf(res[r0 + i]);
+        ep[MAXR + i] = bf(gam[r0 + i]);
+    }
 #endif
     __syncthreads();
 #if RMS_IN
