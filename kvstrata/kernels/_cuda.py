@@ -1,8 +1,11 @@
-"""What the persistent CUDA C++ kernels share (:mod:`.decode_segment`, :mod:`.verify_segment`).
+"""What the CUDA C++ kernels share (:mod:`.decode_segment`, :mod:`.verify_segment`,
+:mod:`.stream_gemv`).
 
-Each is one cooperative launch of :data:`BLOCKS` blocks (one per SM, all resident) compiled at
-run time with the NVRTC bundled in torch (``torch.cuda._compile_kernel``) and launched through
-the driver (``cuLaunchCooperativeKernel``, which CUDA-graph capture records like any launch).
+The segments are one cooperative launch of :data:`BLOCKS` blocks (one per SM, all resident),
+the stream products a plain launch of one block per SM; all are compiled at run time with the
+NVRTC bundled in torch (``torch.cuda._compile_kernel``) and launched through the driver
+(``cuLaunchCooperativeKernel`` / ``cuLaunchKernel`` / ``cuLaunchKernelEx``, which CUDA-graph
+capture records like any launch).
 This module holds the device helpers their sources start with (:data:`PRELUDE`: bf16 bits,
 loads through L2, the grid barrier, mbarriers, bulk and tensor copies, ``ldmatrix`` and the
 bf16 ``mma``; :data:`WGMMA`: Hopper warpgroup products), the launcher (:class:`Kernel`), the

@@ -10,12 +10,14 @@ the Triton chain 1.10-1.13x the read floor, a bulk-copy stream alone 0.99x).
 weight rows, the ranges balanced to within one row). Every warp's lane 0 starts bulk copies
 (``cp.async.bulk``) of its first rows into a ring of shared-memory stages (one row, or a gate
 and an up row, per stage, about 192 KB per block) *before* the wait, so a product streams up
-to 25 MB of its weights while the previous kernel finishes; the blocks let the next kernel
-launch at once (it can only land on an SM a block of this one has left: a block holds most of
-the SM's shared memory). After the wait the input row goes to shared memory and each warp
-takes the stages ``warp, warp + NW, ...`` (a stage's phases in order, by one warp): 8 inputs
-per lane and step, float32 sums, the warp's sum by shuffles, then the stage is refilled with
-the warp's row ``NS`` further on.
+to 25 MB of its weights while the previous kernel finishes. A block holds most of its SM's
+shared memory, so the next kernel's blocks can only start where a block of this one has left;
+where the next kernel is itself a stream product (after down) the blocks let it launch at once,
+elsewhere (after q/k/v: its q/k norm + RoPE, then the decode segment, whose attention ran
+slower for an early start) only when they complete. After the wait the input row goes to shared
+memory and each warp takes the stages ``warp, warp + NW, ...`` (a stage's phases in order, by
+one warp): 8 inputs per lane and step, float32 sums, the warp's sum by shuffles, then the stage
+is refilled with the warp's row ``NS`` further on.
 
 Epilogues as :func:`~.gemv.gemv`'s: ``RMS_IN`` (the row scaled by the previous norm's
 ``rsqrt``, :class:`~.gemv.RowRms`), ``GATED`` (``silu(gate) * up``, each rounded as the separate
@@ -23,8 +25,11 @@ ops round), ``ADD_NORM`` (``h = residual + product``, ``norm_weight * h`` and th
 squares of ``h``: one part per block). Sums run in a fixed order: deterministic, graph replay
 equals eager bit for bit; values differ from the Triton kernel's by the summation order only.
 
+Shipped for q/k/v and down (:data:`VARIANT`): the batch-1 plain decode step 0.05-0.06 ms faster
+at 1k and 8k on the H200; the gated gate/up product stays on Triton, whose 384 programs read
+its 201 MB at the copy rate (docs/benchmarks.md, twenty-sixth runner session).
 :func:`stream_gemv_ok` says where it serves (sm_90, one bf16 row, no bias, ``K`` a multiple of
-256 up to 16384); ``KVSTRATA_STREAM_GEMV=0`` keeps every product on Triton.
+256 and a ring that fits); ``KVSTRATA_STREAM_GEMV=0`` keeps every product on Triton.
 """
 
 from __future__ import annotations
