@@ -348,8 +348,8 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         y = stream_gemv(x, weight, gated=gated, rms=rms, add_norm=add_norm)
         if add_norm is None:
             return y
-        out, h, parts, eps = y
-        return out, h, RowRms(parts, N, eps)
+        out, h, parts = y
+        return out, h, RowRms(parts, N, add_norm[2])
     lt = _launch(weight, x.shape[-1], launch, gated) if gemv_ok(x, weight, impl) else None
     if lt is None:
         y = F.linear(x, weight, None if rms is not None else bias)

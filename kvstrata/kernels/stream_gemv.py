@@ -285,27 +285,27 @@ def _compiled(device: torch.device, k: int, n: int, gated: bool) -> bool:
 def stream_gemv(x: Tensor, weight: Tensor, *, gated: bool = False, rms=None,
                 add_norm: tuple[Tensor, Tensor, float] | None = None):
     """:func:`~.gemv.gemv` / :func:`~.gemv.gemv_add_norm` of one row where
-    :func:`stream_gemv_ok` holds: ``out [1, N]``, or ``(out, h, parts [1, blocks], eps)``
-    with ``add_norm`` (the caller wraps the parts in a :class:`~.gemv.RowRms`)."""
+    :func:`stream_gemv_ok` holds: ``out [1, N]``, or ``(out, h, parts [1, blocks])`` with
+    ``add_norm`` (the caller wraps the parts in a :class:`~.gemv.RowRms`)."""
     k = x.shape[1]
     n = weight.shape[0] // (2 if gated else 1)
     dev = x.device
-    v = _env_variant()
-    kern = _kernel(dev, k, n, gated, rms is not None, add_norm is not None, *v[:3],
-                   int(pdl_ok(dev, "gemv")))
+    pdl = pdl_ok(dev, "gemv")
+    kern = _kernel(dev, k, n, gated, rms is not None, add_norm is not None,
+                   *_env_variant()[:3], int(pdl))
     out = torch.empty((1, n), dtype=x.dtype, device=dev)
     ss_in = rms.parts.contiguous() if rms is not None else out
     args = [x, weight, out, ctypes.c_int32(n), ss_in,
             ctypes.c_int32(ss_in.shape[1] if rms is not None else 0),
             ctypes.c_float(rms.eps if rms is not None else 0.0)]
     if add_norm is None:
-        kern(args + [out, out, out, out], pdl=pdl_ok(dev, "gemv"))
+        kern(args + [out, out, out, out], pdl=pdl)
         return out
-    residual, g, eps = add_norm
+    residual, g, _ = add_norm
     h = torch.empty((1, n), dtype=x.dtype, device=dev)
     parts = torch.empty((1, kern.blocks), dtype=torch.float32, device=dev)
-    kern(args + [residual.contiguous(), g.contiguous(), h, parts], pdl=pdl_ok(dev, "gemv"))
-    return out, h, parts, eps
+    kern(args + [residual.contiguous(), g.contiguous(), h, parts], pdl=pdl)
+    return out, h, parts
 
 
 __all__ = ["STREAM_ENV", "stream_gemv", "stream_gemv_ok"]
