@@ -343,32 +343,40 @@ def compiles(build: Callable[[], object], what: str, fallback: str) -> bool:
 #: CUtensorMap enums (cuda.h)
 _BF16, _SWIZZLE_128B, _L2_PROMOTION_128B = 9, 3, 2
 _MAPS: dict[tuple, ctypes.Array] = {}
+_MAPS_MAX = 4096
 
 
 def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int) -> ctypes.Array:
-    """A tensor map over the bf16 tensor ``t`` seen as rows of its last dimension (contiguous),
-    boxes of ``box_rows x box_cols`` (``box_cols * 2 == 128`` bytes: the 128-byte swizzle, so
+    """A tensor map over the bf16 tensor ``t`` seen as rows of its last dimension (contiguous,
+    or a 2-D tensor whose rows are 16-byte aligned and whose columns are contiguous), boxes of
+    ``box_rows x box_cols`` (``box_cols * 2 == 128`` bytes: the 128-byte swizzle, so
     ``ldmatrix`` reads of 8 rows hit 8 different bank groups: chunk ``c`` of row ``r`` lands at
-    chunk ``c ^ (r % 8)``). Cached per (address, shape): a pool keeps its storage."""
+    chunk ``c ^ (r % 8)``); a box's rows past the tensor's land as zeros. Cached per (address,
+    shape, row stride): a pool keeps its storage."""
     cols = t.shape[-1]
-    rows = t.numel() // cols
-    key = (t.data_ptr(), rows, cols, box_rows, box_cols)
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0:
+        rows, stride = t.shape[0], t.stride(0)
+    else:
+        rows, stride = t.numel() // max(cols, 1), cols
+    key = (t.data_ptr(), rows, cols, stride, box_rows, box_cols)
     m = _MAPS.get(key)
     if m is None:
-        if (t.dtype != torch.bfloat16 or not t.is_contiguous() or box_cols * 2 != 128
-                or rows >= 2 ** 31):
-            raise ValueError(f"tensor_map_2d: a contiguous bf16 tensor below 2**31 rows and "
-                             f"64-column boxes, got {t.dtype} {tuple(t.shape)}, box "
-                             f"{box_rows} x {box_cols}")
+        if (t.dtype != torch.bfloat16 or not (t.is_contiguous() or stride != cols)
+                or box_cols * 2 != 128 or rows >= 2 ** 31 or not 0 < box_rows <= 256):
+            raise ValueError(f"tensor_map_2d: a bf16 tensor below 2**31 rows (contiguous, or "
+                             f"2-D with 16-byte aligned rows), 64-column boxes of 1-256 rows, "
+                             f"got {t.dtype} {tuple(t.shape)}, box {box_rows} x {box_cols}")
         from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
         m = (ctypes.c_uint64 * 16)()
         dims = (ctypes.c_uint64 * 2)(cols, rows)
-        strides = (ctypes.c_uint64 * 1)(cols * 2)
+        strides = (ctypes.c_uint64 * 1)(stride * 2)
         box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
         one = (ctypes.c_uint32 * 2)(1, 1)
         _check_cuda(_get_gpu_runtime_library().cuTensorMapEncodeTiled(
             ctypes.byref(m), ctypes.c_int(_BF16), ctypes.c_uint32(2),
             ctypes.c_void_p(t.data_ptr()), dims, strides, box, one, ctypes.c_int(0),
             ctypes.c_int(_SWIZZLE_128B), ctypes.c_int(_L2_PROMOTION_128B), ctypes.c_int(0)))
+        if len(_MAPS) >= _MAPS_MAX:   # eager steps' inputs: new addresses, bounded
+            _MAPS.pop(next(iter(_MAPS)))
         _MAPS[key] = m
     return m

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 from .layer_ops import silu_mul_merged
-from .stream_gemv import stream_gemv, stream_gemv_ok
+from .stream_gemv import stream_gemv, stream_gemv_ok, stream_rows, stream_rows_ok
 
 try:
     import triton
@@ -346,6 +346,12 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
     if launch is None and M == 1 and stream_gemv_ok(x, weight, bias, gated, impl,
                                                     add_norm is not None):
         y = stream_gemv(x, weight, gated=gated, rms=rms, add_norm=add_norm)
+    elif launch is None and M > 1 and stream_rows_ok(x, weight, bias, gated, impl,
+                                                     add_norm is not None):
+        y = stream_rows(x, weight, rms=rms, add_norm=add_norm)
+    else:
+        y = None
+    if y is not None:
         if add_norm is None:
             return y
         out, h, parts = y

@@ -110,8 +110,15 @@ def test_cuda_add_norm_epilogue(n, k):
     g = torch.Generator(device="cuda").manual_seed(1)
     res = torch.randn(1, n, generator=g, device="cuda", dtype=torch.bfloat16)
     gamma = 1 + 0.1 * torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    _check_add_norm(x, w, res, gamma)
+
+
+def _check_add_norm(x, w, res, gamma):
+    """h bit for bit add_rms_norm's, g * h as rounded, one part per block and row, the parts'
+    rstd within 1e-5, deterministic."""
     xg, h, rms = gemv_add_norm(x, w, None, res, gamma, 1e-6)
-    assert rms.parts.shape == (1, torch.cuda.get_device_properties(0).multi_processor_count)
+    blocks = torch.cuda.get_device_properties(0).multi_processor_count
+    assert rms.parts.shape == (x.shape[0], blocks)
     x_ref, h_ref = add_rms_norm(gemv(x, w), gamma, 1e-6, residual=res)
     assert torch.equal(h, h_ref)
     assert torch.equal(xg, (gamma.float() * h.float()).to(torch.bfloat16))
@@ -119,6 +126,28 @@ def test_cuda_add_norm_epilogue(n, k):
                                rtol=1e-5, atol=0)
     xg2, h2, rms2 = gemv_add_norm(x, w, None, res, gamma, 1e-6)
     assert torch.equal(xg, xg2) and torch.equal(h, h2) and torch.equal(rms.parts, rms2.parts)
+
+
+def _check_graph(chain, xd, monkeypatch):
+    """``chain`` captured in a graph: replays over three inputs equal eager launches bit for
+    bit, and so do launches without PDL."""
+    eager = chain(xd)
+    xs = xd.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(xs)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        xs.copy_(torch.randn(xd.shape, generator=g, device="cuda", dtype=xd.dtype)
+                 if seed else xd)
+        graph.replay()
+        want = chain(xs)
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
+    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
+    monkeypatch.setenv(_device.PDL_ENV, "0")
+    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
+    return out
 
 
 @cuda
@@ -137,21 +166,97 @@ def test_cuda_graph_replay_equals_eager_and_pdl_off(monkeypatch):
         q = gemv(xg, wq, rms=rms)
         return q, gemv(xg, wgu, gated=True, rms=rms)
 
-    eager = chain(xd)
-    xs = xd.clone()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(xs)
-    for seed in range(3):
-        xs.copy_(torch.randn(1, 12288, generator=torch.Generator(device="cuda").manual_seed(seed),
-                             device="cuda", dtype=torch.bfloat16) if seed else xd)
-        graph.replay()
-        want = chain(xs)
-        assert all(torch.equal(a, b) for a, b in zip(out, want))
-    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
-    monkeypatch.setenv(_device.PDL_ENV, "0")
-    assert all(torch.equal(a, b) for a, b in zip(chain(xd), eager))
+    out = _check_graph(chain, xd, monkeypatch)
     assert not sg.stream_gemv_ok(out[0][:, :4096].contiguous(), wgu, None, True)  # as shipped
     monkeypatch.setenv(sg.STREAM_ENV, "0")
     assert not sg.stream_gemv_ok(xd, wd, None, False)
+
+
+# the rows build (2-16 rows, mma consumers): q/k/v, down, the drafter's k/v and fc, uneven ones
+ROW_SHAPES = [(6144, 4096), (4096, 12288), (2048, 4096), (4096, 20480), (1000, 512),
+              (1333, 768), (1320, 640)]
+
+
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+@pytest.mark.parametrize("kc", [64, 128])
+def test_rows_sources_compile_without_spills(n, k, kc):
+    for rms_in, add_norm in ((False, False), (True, False), (False, True)):
+        if sg.rows_layout(k, n, 132, 8, 192, kc, add_norm) is None:
+            continue
+        src, smem = sg.build_rows(k, n, 132, rms_in, add_norm, 8, 192, kc, 1, 1)
+        assert smem <= 227 * 1024
+        _check(_compile(src, "90"), "stream_rows", 256)
+
+
+def test_rows_layout_and_switches(monkeypatch):
+    # q/k/v: 47 rows per block -> 3 m-tiles; 64 columns a stage: 8 KB, 24 stages in 192 KB
+    assert sg.rows_layout(4096, 6144, 132, 8, 192, 64, False) == (24, 3, 2048 + 24 * 8192 + 64)
+    assert sg.rows_layout(4096, 6144, 132, 8, 192, 128, False)[0] == 8   # 16 KB: 12 -> 8
+    assert sg.rows_layout(12288, 4096, 132, 8, 192, 64, True)[:2] == (32, 2)
+    assert sg.rows_layout(4000, 4096, 132, 8, 192, 64, False) is None     # K % columns
+    assert sg.rows_layout(4096, 100, 132, 8, 192, 64, False) is None      # fewer rows
+    assert sg.rows_layout(4096, 6144, 132, 8, 192, 96, False) is None     # not 64 columns
+    assert sg.rows_layout(4096, 40000, 132, 8, 192, 64, False) is None    # > 255 rows
+    with pytest.raises(ValueError, match="does not fit"):
+        sg.build_rows(4096, 6144, 132, False, False, 8, 192, 4096, 1, 1)
+    x, w = torch.randn(4, 256).bfloat16(), torch.randn(512, 256).bfloat16()
+    assert not sg.stream_rows_ok(x, w, None, False)                     # CPU
+    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, "4:96")
+    assert sg._rows_variant() == (4, 96) + sg.ROWS_VARIANT[2:]
+
+
+def _rows_ops(m, n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    return (torch.randn(m, k, generator=g, **bf),
+            torch.randn(n, k, generator=g, **bf) * k ** -0.5)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+@pytest.mark.parametrize("m", [2, 5, 16])
+def test_cuda_rows_against_float32_and_the_triton_kernel(n, k, m):
+    x, w = _rows_ops(m, n, k, seed=n + k + m)
+    assert sg.stream_rows_ok(x, w, None, False)
+    y = gemv(x, w)
+    assert y.shape == (m, n) and torch.equal(y, gemv(x, w))            # deterministic
+    _close(y, F.linear(x.float(), w.float()))
+    _close(y, _gemv(x, w, None, TRITON))
+    parts = torch.rand(m, 128, device="cuda") * k
+    rms = RowRms(parts, k, 1e-6)
+    _close(gemv(x, w, rms=rms), _gemv(x, w, None, TRITON, rms=rms))
+    # a strided input (a view of wider rows) reads the same rows
+    wide = torch.zeros(m, k + 64, device="cuda", dtype=torch.bfloat16)
+    wide[:, :k] = x
+    assert torch.equal(gemv(wide[:, :k], w), y)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,m", [(4096, 12288, 16), (1000, 512, 3)])
+def test_cuda_rows_add_norm_epilogue(n, k, m):
+    x, w = _rows_ops(m, n, k, seed=n + m)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    res = torch.randn(m, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    gamma = 1 + 0.1 * torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    _check_add_norm(x, w, res, gamma)
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(monkeypatch):
+    """16 rows: down -> q/k/v (rows build) -> gate/up (Triton) captured in a graph."""
+    xd, wd = _rows_ops(16, 4096, 12288, seed=3)
+    _, wq = _rows_ops(16, 6144, 4096, seed=4)
+    _, wgu = _rows_ops(16, 24576, 4096, seed=5)
+    res = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+
+    def chain(xin):
+        xg, h, rms = gemv_add_norm(xin, wd, None, res, gamma, 1e-6)
+        return gemv(xg, wq, rms=rms), gemv(xg, wgu, gated=True, rms=rms), h
+
+    _check_graph(chain, xd, monkeypatch)
+    monkeypatch.setenv(sg.STREAM_ENV, "0")
+    assert not sg.stream_rows_ok(xd, wd, None, False)
