@@ -233,6 +233,7 @@ _ROWS_SOURCE = r"""
 #define XOFF (NB * WBOX)
 #define STAGEB (NB * (WBOX + 2048))
 #define RED (MT * 16 * 17)
+#define EPI ((16 * MAXR + NW * 32 - 1) / (NW * 32))
 %(prelude)s
 %(block)s
 // chunk i (KC columns, 64-column boxes) of this block's weight rows into stage i %% NS, and
@@ -286,6 +287,16 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
         if (lane == 0) rs[t] = rsqrtf(a / K_IN + eps);
     }
 #endif
+#if ADD_NORM
+    // the epilogue's residual and norm weight, loaded now: they arrive while the loop runs
+    float pres[EPI], pgam[EPI];
+#pragma unroll
+    for (int j = 0; j < EPI; ++j) {
+        const int e = tid + j * NW * 32, tok = e / nr, n = r0 + e - tok * nr;
+        pres[j] = e < m * nr ? bf(res[(size_t)tok * N + n]) : 0.f;
+        pgam[j] = e < m * nr ? bf(gam[n]) : 0.f;
+    }
+#endif
     __syncwarp();
     // ldmatrix rows: weight rows lane %% 16 of an m-tile (chunk lane / 16 of a k-step), input
     // rows lane %% 8 + 8 * (lane / 16) (chunk lane / 8 %% 2): two n-tiles of 8 in one x4 load;
@@ -337,8 +348,10 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
 #if ADD_NORM
     float* sq = red + NW * RED;                                   // [16][MAXR] h squared
 #endif
-    for (int e = tid; e < m * nr; e += NW * 32) {
-        const int tok = e / nr, row = e - tok * nr, n = r0 + row;
+#pragma unroll
+    for (int j = 0; j < EPI; ++j) {
+        const int e = tid + j * NW * 32, tok = e / nr, row = e - tok * nr, n = r0 + row;
+        if (e >= m * nr) break;
         float a = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) a += red[w * RED + row * 17 + tok];
@@ -347,11 +360,11 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
 #endif
 #if ADD_NORM
         // h = residual + product, g * h: as gemv_add_norm rounds them
-        const bf16_t hn = to_bf(bf(res[(size_t)tok * N + n]) + bf(to_bf(a)));
+        const bf16_t hn = to_bf(pres[j] + bf(to_bf(a)));
         hout[(size_t)tok * N + n] = hn;
         const float hf = bf(hn);
         sq[tok * MAXR + row] = hf * hf;
-        out[(size_t)tok * N + n] = to_bf(bf(gam[n]) * hf);
+        out[(size_t)tok * N + n] = to_bf(pgam[j] * hf);
 #else
         out[(size_t)tok * N + n] = to_bf(a);
 #endif
