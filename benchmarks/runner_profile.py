@@ -169,7 +169,7 @@ def kernel_table(fn, steps: int, title: str, lines: list[str], step_ms: float) -
     # rides in a segment launch where one serves), counted over a replay's gemv launches in
     # order: exact when the step's other products (heads, the drafter's context write) are
     # fewer than the places and come last; else "other" and the places are approximate.
-    prods = ("_gemv_kernel", "stream_gemv")
+    prods = ("_gemv_kernel", "stream_gemv", "stream_rows")
     per = sum(e.name in prods for e in evs) // max(steps, 1)
     segmented = any(e.name in ("decode_segment", "verify_segment") for e in evs)
     places = ("q/k/v", "gate/up", "down") if segmented else ("q/k/v", "o_proj", "gate/up", "down")

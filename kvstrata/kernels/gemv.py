@@ -348,7 +348,7 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
         y = stream_gemv(x, weight, gated=gated, rms=rms, add_norm=add_norm)
     elif launch is None and M > 1 and stream_rows_ok(x, weight, bias, gated, impl,
                                                      add_norm is not None):
-        y = stream_rows(x, weight, rms=rms, add_norm=add_norm)
+        y = stream_rows(x, weight, gated=gated, rms=rms, add_norm=add_norm)
     else:
         y = None
     if y is not None:

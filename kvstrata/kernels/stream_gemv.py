@@ -58,7 +58,8 @@ VARIANT = (8, 192, 4, 5)
 VARIANT_ENV = "KVSTRATA_STREAM_GEMV_VARIANT"
 #: the switches of :func:`stream_rows` (2-16 rows): consumer warps; ring KB per block; the
 #: columns of a stage (a multiple of 64); and, as :data:`VARIANT`'s last two, the products that
-#: launch the next kernel early and the products served (1 plain, 4 add-norm; no gated build).
+#: launch the next kernel early and the products served (masks of 1 plain, 2 gated, 4
+#: add-norm).
 ROWS_VARIANT = (8, 192, 64, 4, 5)
 #: for benchmarks: colon-separated switches replacing :data:`ROWS_VARIANT`'s first ones
 ROWS_VARIANT_ENV = "KVSTRATA_STREAM_ROWS_VARIANT"
@@ -219,10 +220,12 @@ _ROWS_SOURCE = r"""
 #define K_IN %(k)d
 #define RMS_IN %(rms_in)d
 #define ADD_NORM %(add_norm)d
+#define GATED %(gated)d
 #define NW %(nw)d
 #define NS %(ns)d
 #define KC %(kc)d
-#define MT %(mt)d
+#define MTG %(mt)d
+#define MT (MTG * (1 + GATED))
 #define MAXR %(maxr)d
 #define PDL %(pdl)d
 #define TRIGGER %(trigger)d
@@ -236,16 +239,20 @@ _ROWS_SOURCE = r"""
 #define EPI ((16 * MAXR + NW * 32 - 1) / (NW * 32))
 %(prelude)s
 %(block)s
-// chunk i (KC columns, 64-column boxes) of this block's weight rows into stage i %% NS, and
-// after the wait (xin) of the 16 input rows (rows past m read as zeros), on full[i %% NS]:
-// 128-byte swizzled rows, 16-byte chunk c of row r at c ^ (r %% 8)
-__device__ __forceinline__ void issue_w(const TMap* wm, int r0, int nr, unsigned char* ring,
-                                        u64* full, int i) {
+// chunk i (KC columns, 64-column boxes) of this block's weight rows (GATED: its gate rows,
+// then from m-tile MTG on its up rows, N further) into stage i %% NS, and after the wait
+// (issue_x) of the 16 input rows (rows past m read as zeros), on full[i %% NS]: 128-byte
+// swizzled rows, 16-byte chunk c of row r at c ^ (r %% 8)
+__device__ __forceinline__ void issue_w(const TMap* wm, int N, int r0, int nr,
+                                        unsigned char* ring, u64* full, int i) {
     const int s = i %% NS;
-    mbar_expect(&full[s], NB * (nr + 16) * 128);
+    mbar_expect(&full[s], NB * (nr * (1 + GATED) + 16) * 128);
 #pragma unroll
     for (int j = 0; j < NB; ++j)
-        tensor_copy(sa(ring + s * STAGEB + j * WBOX), wm, i * KC + j * 64, r0, &full[s]);
+#pragma unroll
+        for (int part = 0; part <= GATED; ++part)
+            tensor_copy(sa(ring + s * STAGEB + j * WBOX + part * MTG * 2048), wm,
+                        i * KC + j * 64, r0 + part * N, &full[s]);
 }
 __device__ __forceinline__ void issue_x(const TMap* xm, unsigned char* ring, u64* full, int i) {
     const int s = i %% NS;
@@ -270,7 +277,7 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
     if (lane == 0) {
         init_stages(full, warp);
         // the weights depend on no kernel: issued before the wait
-        for (int i = warp; i < NS && i < NC; i += NW) issue_w(wm, r0, nr, ring, full, i);
+        for (int i = warp; i < NS && i < NC; i += NW) issue_w(wm, N, r0, nr, ring, full, i);
     }
 #if PDL && TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -329,7 +336,7 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
         // every lane's reads of the stage are done (the products above need them): refill it
         if (lane == 0 && i + NS < NC) {
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            issue_w(wm, r0, nr, ring, full, i + NS);
+            issue_w(wm, N, r0, nr, ring, full, i + NS);
             issue_x(&xm, ring, full, i + NS);
         }
     }
@@ -352,13 +359,21 @@ stream_rows(const __grid_constant__ TMap wlo, const __grid_constant__ TMap whi,
     for (int j = 0; j < EPI; ++j) {
         const int e = tid + j * NW * 32, tok = e / nr, row = e - tok * nr, n = r0 + row;
         if (e >= m * nr) break;
-        float a = 0.f;
+        float a = 0.f, au = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) a += red[w * RED + row * 17 + tok];
+        for (int w = 0; w < NW; ++w) {
+            a += red[w * RED + row * 17 + tok];
+            if (GATED) au += red[w * RED + (MTG * 16 + row) * 17 + tok];
+        }
 #if RMS_IN
         a *= rs[tok];
+        au *= rs[tok];
 #endif
-#if ADD_NORM
+#if GATED
+        // silu(gate) rounded, times up: as silu_mul_merged rounds the separate product
+        const float g = bf(to_bf(a)), u = bf(to_bf(au));
+        out[(size_t)tok * N + n] = to_bf(bf(to_bf(g / (1.f + expf(-g)))) * u);
+#elif ADD_NORM
         // h = residual + product, g * h: as gemv_add_norm rounds them
         const bf16_t hn = to_bf(pres[j] + bf(to_bf(a)));
         hout[(size_t)tok * N + n] = hn;
@@ -502,20 +517,21 @@ def _rows_variant() -> tuple[int, ...]:
     return variant(os.environ.get(ROWS_VARIANT_ENV, ""), ROWS_VARIANT, ROWS_VARIANT_ENV)
 
 
-def rows_layout(k: int, n: int, blocks: int, nw: int, ring_kb: int, kc: int, add_norm: bool
-                ) -> tuple[int, int, int] | None:
+def rows_layout(k: int, n: int, blocks: int, nw: int, ring_kb: int, kc: int, add_norm: bool,
+                gated: bool = False) -> tuple[int, int, int] | None:
     """``(stages, m-tiles, dynamic shared memory)`` of a :func:`stream_rows` build: a stage is
     ``kc`` columns (64-column boxes of a tensor map) of the block's rows (at most 255, in
-    16-row m-tiles) and of the 16 input rows; the ring the most multiples of ``nw`` stages in
+    16-row m-tiles per part: ``gated``, its gate and its up rows) and of the 16 input rows; the ring the most multiples of ``nw`` stages in
     ``ring_kb`` (at least ``nw``) that also hold the warps' partial sums, after 1 KB of
     mbarriers and 1 KB of alignment slack. ``None`` where it does not fit."""
     maxr = -(-n // blocks)
     if kc < 64 or kc % 64 or k % kc or n < blocks or maxr > 255:
         return None
     mt = -(-maxr // 16)
-    stage = (kc // 64) * (mt * 16 + 16) * 128
+    parts = 2 if gated else 1
+    stage = (kc // 64) * (mt * parts * 16 + 16) * 128
     ns = max(nw, (ring_kb * 1024 // stage) // nw * nw)
-    red = nw * mt * 16 * 17 * 4 + (16 * maxr * 4 if add_norm else 0)
+    red = nw * mt * parts * 16 * 17 * 4 + (16 * maxr * 4 if add_norm else 0)
     while ns > nw and 2048 + ns * stage + 64 > _SMEM_MAX:
         ns -= nw
     smem = 2048 + ns * stage + 64
@@ -525,25 +541,30 @@ def rows_layout(k: int, n: int, blocks: int, nw: int, ring_kb: int, kc: int, add
 
 
 def build_rows(k: int, n: int, blocks: int, rms_in: bool, add_norm: bool, nw: int,
-               ring_kb: int, kc: int, trigger: int, pdl: int) -> tuple[str, int]:
-    """The source of one :func:`stream_rows` shape and epilogue, and its shared memory."""
-    lay = rows_layout(k, n, blocks, nw, ring_kb, kc, add_norm)
+               ring_kb: int, kc: int, trigger: int, pdl: int, gated: bool = False
+               ) -> tuple[str, int]:
+    """The source of one :func:`stream_rows` shape and epilogue (``n`` outputs; ``gated``:
+    ``2 n`` weight rows), and its shared memory."""
+    lay = rows_layout(k, n, blocks, nw, ring_kb, kc, add_norm, gated)
     if lay is None:
         raise ValueError(f"stream_rows: [{n}, {k}] with {nw} warps, a {ring_kb} KB ring and "
                          f"{kc}-column stages does not fit a block's shared memory")
     ns, mt, smem = lay
     src = _ROWS_SOURCE % {"prelude": PRELUDE, "block": _BLOCK, "k": k, "rms_in": int(rms_in),
+                          "gated": int(gated),
                           "add_norm": int(add_norm), "nw": nw, "ns": ns, "kc": kc, "mt": mt,
                           "maxr": -(-n // blocks), "pdl": int(pdl), "trigger": int(trigger)}
     return src, smem
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_kernel(device: torch.device, k: int, n: int, rms_in: bool, add_norm: bool, nw: int,
-                 ring_kb: int, kc: int, trigger: int, pdl: int) -> Kernel:
+def _rows_kernel(device: torch.device, k: int, n: int, gated: bool, rms_in: bool,
+                 add_norm: bool, nw: int, ring_kb: int, kc: int, trigger: int, pdl: int
+                 ) -> Kernel:
     blocks = num_sms(device, 132)
-    trigger = int(bool(trigger & (4 if add_norm else 1)))
-    src, smem = build_rows(k, n, blocks, rms_in, add_norm, nw, ring_kb, kc, trigger, pdl)
+    trigger = int(bool(trigger & (2 if gated else 4 if add_norm else 1)))
+    src, smem = build_rows(k, n, blocks, rms_in, add_norm, nw, ring_kb, kc, trigger, pdl,
+                           gated)
     with torch.cuda.device(device):
         return Kernel(src, "stream_rows", smem, nw * 32, blocks=blocks, cooperative=False)
 
@@ -551,8 +572,8 @@ def _rows_kernel(device: torch.device, k: int, n: int, rms_in: bool, add_norm: b
 def stream_rows_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
                    impl: str = "auto", add_norm: bool = False) -> bool:
     """Whether :func:`stream_rows` serves ``F.linear(x, weight)``: as :func:`stream_gemv_ok`
-    but 2-16 bf16 rows (each 16-byte aligned, columns contiguous) and no gated product."""
-    if (impl != "auto" or gated or x.device.type != "cuda"
+    but 2-16 bf16 rows (each 16-byte aligned, columns contiguous)."""
+    if (impl != "auto" or x.device.type != "cuda"
             or os.environ.get(STREAM_ENV, "1") == "0" or bias is not None or x.dim() != 2
             or not 2 <= x.shape[0] <= 16 or x.dtype != torch.bfloat16
             or weight.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8
@@ -561,33 +582,37 @@ def stream_rows_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
             or torch.cuda.get_device_capability(x.device)[0] != 9):
         return False
     n, k = weight.shape
+    n //= 2 if gated else 1
     nw, ring_kb, kc, _, kinds = _rows_variant()
-    if (not kinds & (4 if add_norm else 1) or k != x.shape[1] or x.data_ptr() % 16
-            or weight.data_ptr() % 16
-            or rows_layout(k, n, num_sms(x.device, 132), nw, ring_kb, kc, True) is None):
+    if (not kinds & (2 if gated else 4 if add_norm else 1) or k != x.shape[1]
+            or x.data_ptr() % 16 or weight.data_ptr() % 16
+            or rows_layout(k, n, num_sms(x.device, 132), nw, ring_kb, kc, not gated,
+                           gated) is None):
         return False
-    return _rows_compiled(x.device, k, n)
+    return _rows_compiled(x.device, k, n, gated)
 
 
 @functools.lru_cache(maxsize=None)
-def _rows_compiled(device: torch.device, k: int, n: int) -> bool:
+def _rows_compiled(device: torch.device, k: int, n: int, gated: bool) -> bool:
     v = _rows_variant()
     return compiles(
-        lambda: [_rows_kernel(device, k, n, r, a, *v[:4], int(pdl_ok(device, "gemv")))
-                 for r, a in ((False, False), (True, False), (False, True))],
-        f"kernels.stream_gemv: the rows build not compiled for [{n}, {k}] on {device}",
+        lambda: [_rows_kernel(device, k, n, gated, r, a, *v[:4], int(pdl_ok(device, "gemv")))
+                 for r in (False, True) for a in ((False,) if gated else (False, True))
+                 if not (r and a)],
+        f"kernels.stream_gemv: the rows build not compiled for [{n}, {k}]"
+        f"{' gated' if gated else ''} on {device}",
         "products of 2-16 rows keep the Triton kernel")
 
 
-def stream_rows(x: Tensor, weight: Tensor, *, rms=None,
+def stream_rows(x: Tensor, weight: Tensor, *, gated: bool = False, rms=None,
                 add_norm: tuple[Tensor, Tensor, float] | None = None):
     """:func:`~.gemv.gemv` / :func:`~.gemv.gemv_add_norm` of 2-16 rows where
     :func:`stream_rows_ok` holds: ``out [M, N]``, or ``(out, h, parts [M, blocks])``."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // (2 if gated else 1)
     dev = x.device
     pdl = pdl_ok(dev, "gemv")
-    kern = _rows_kernel(dev, k, n, rms is not None, add_norm is not None,
+    kern = _rows_kernel(dev, k, n, gated, rms is not None, add_norm is not None,
                         *_rows_variant()[:4], int(pdl))
     lo = n // kern.blocks
     return _run(kern, lambda out: [tensor_map_2d(weight, lo, 64),

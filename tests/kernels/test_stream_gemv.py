@@ -172,18 +172,21 @@ def test_cuda_graph_replay_equals_eager_and_pdl_off(monkeypatch):
     assert not sg.stream_gemv_ok(xd, wd, None, False)
 
 
-# the rows build (2-16 rows, mma consumers): q/k/v, down, the drafter's k/v and fc, uneven ones
-ROW_SHAPES = [(6144, 4096), (4096, 12288), (2048, 4096), (4096, 20480), (1000, 512),
-              (1333, 768), (1320, 640)]
+# the rows build (2-16 rows, mma consumers): q/k/v, down, the drafter's k/v and fc, gate/up
+# (gated), uneven ones
+ROW_SHAPES = [(6144, 4096, False), (4096, 12288, False), (2048, 4096, False),
+              (4096, 20480, False), (12288, 4096, True), (1000, 512, False), (1333, 768, True),
+              (1320, 640, False)]
 
 
-@pytest.mark.parametrize("n,k", ROW_SHAPES)
+@pytest.mark.parametrize("n,k,gated", ROW_SHAPES)
 @pytest.mark.parametrize("kc", [64, 128])
-def test_rows_sources_compile_without_spills(n, k, kc):
+def test_rows_sources_compile_without_spills(n, k, gated, kc):
     for rms_in, add_norm in ((False, False), (True, False), (False, True)):
-        if sg.rows_layout(k, n, 132, 8, 192, kc, add_norm) is None:
+        if (gated and add_norm) or sg.rows_layout(k, n, 132, 8, 192, kc, add_norm,
+                                                  gated) is None:
             continue
-        src, smem = sg.build_rows(k, n, 132, rms_in, add_norm, 8, 192, kc, 1, 1)
+        src, smem = sg.build_rows(k, n, 132, rms_in, add_norm, 8, 192, kc, 1, 1, gated)
         assert smem <= 227 * 1024
         _check(_compile(src, "90"), "stream_rows", 256)
 
@@ -214,22 +217,25 @@ def _rows_ops(m, n, k, seed):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", ROW_SHAPES)
+@pytest.mark.parametrize("n,k,gated", ROW_SHAPES)
 @pytest.mark.parametrize("m", [2, 5, 16])
-def test_cuda_rows_against_float32_and_the_triton_kernel(n, k, m):
-    x, w = _rows_ops(m, n, k, seed=n + k + m)
-    assert sg.stream_rows_ok(x, w, None, False)
-    y = gemv(x, w)
-    assert y.shape == (m, n) and torch.equal(y, gemv(x, w))            # deterministic
-    _close(y, F.linear(x.float(), w.float()))
-    _close(y, _gemv(x, w, None, TRITON))
+def test_cuda_rows_against_float32_and_the_triton_kernel(n, k, gated, m, monkeypatch):
+    """Every kind of product, the gated one by its switch."""
+    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, "8:192:64:4:7")
+    x, w = _rows_ops(m, n * (2 if gated else 1), k, seed=n + k + m)
+    assert sg.stream_rows_ok(x, w, None, gated)
+    y = gemv(x, w, gated=gated)
+    assert y.shape == (m, n) and torch.equal(y, gemv(x, w, gated=gated))   # deterministic
+    if not gated:
+        _close(y, F.linear(x.float(), w.float()))
+    _close(y, _gemv(x, w, None, TRITON, gated=gated))
     parts = torch.rand(m, 128, device="cuda") * k
     rms = RowRms(parts, k, 1e-6)
-    _close(gemv(x, w, rms=rms), _gemv(x, w, None, TRITON, rms=rms))
+    _close(gemv(x, w, gated=gated, rms=rms), _gemv(x, w, None, TRITON, gated=gated, rms=rms))
     # a strided input (a view of wider rows) reads the same rows
     wide = torch.zeros(m, k + 64, device="cuda", dtype=torch.bfloat16)
     wide[:, :k] = x
-    assert torch.equal(gemv(wide[:, :k], w), y)
+    assert torch.equal(gemv(wide[:, :k], w, gated=gated), y)
 
 
 @cuda
@@ -245,8 +251,11 @@ def test_cuda_rows_add_norm_epilogue(n, k, m):
 
 @cuda
 @pytest.mark.gpu
-def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(monkeypatch):
-    """16 rows: down -> q/k/v (rows build) -> gate/up (Triton) captured in a graph."""
+@pytest.mark.parametrize("kinds", ["5", "7"])
+def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(kinds, monkeypatch):
+    """16 rows: down -> q/k/v (rows build) -> gate/up (Triton as shipped, or the rows build)
+    captured in a graph."""
+    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, f"8:192:64:4:{kinds}")
     xd, wd = _rows_ops(16, 4096, 12288, seed=3)
     _, wq = _rows_ops(16, 6144, 4096, seed=4)
     _, wgu = _rows_ops(16, 24576, 4096, seed=5)
