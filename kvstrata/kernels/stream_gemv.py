@@ -521,9 +521,10 @@ def rows_layout(k: int, n: int, blocks: int, nw: int, ring_kb: int, kc: int, add
                 gated: bool = False) -> tuple[int, int, int] | None:
     """``(stages, m-tiles, dynamic shared memory)`` of a :func:`stream_rows` build: a stage is
     ``kc`` columns (64-column boxes of a tensor map) of the block's rows (at most 255, in
-    16-row m-tiles per part: ``gated``, its gate and its up rows) and of the 16 input rows; the ring the most multiples of ``nw`` stages in
-    ``ring_kb`` (at least ``nw``) that also hold the warps' partial sums, after 1 KB of
-    mbarriers and 1 KB of alignment slack. ``None`` where it does not fit."""
+    16-row m-tiles per part: ``gated``, its gate and its up rows) and of the 16 input rows;
+    the ring the most multiples of ``nw`` stages in ``ring_kb`` (at least ``nw``) that also
+    hold the warps' partial sums, after 1 KB of mbarriers and 1 KB of alignment slack.
+    ``None`` where it does not fit."""
     maxr = -(-n // blocks)
     if kc < 64 or kc % 64 or k % kc or n < blocks or maxr > 255:
         return None
