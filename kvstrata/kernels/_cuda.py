@@ -1,5 +1,5 @@
 """What the CUDA C++ kernels share (:mod:`.decode_segment`, :mod:`.verify_segment`,
-:mod:`.stream_gemv`).
+:mod:`.stream_gemv`, :mod:`.stream_rows`).
 
 The segments are one cooperative launch of :data:`BLOCKS` blocks (one per SM, all resident),
 the stream products a plain launch of one block per SM; all are compiled at run time with the

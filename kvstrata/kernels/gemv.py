@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ._device import gdc_launch_dependents, gdc_wait, pdl_launch  # noqa: F401 - in kernels
 from .layer_ops import silu_mul_merged
-from .stream_gemv import stream_gemv, stream_gemv_ok, stream_rows, stream_rows_ok
+from .stream_gemv import stream_gemv, stream_gemv_ok
+from .stream_rows import stream_rows, stream_rows_ok
 
 try:
     import triton
@@ -269,7 +270,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None, impl: str = "aut
 
     On CUDA with ``M <= GEMV_MAX_ROWS`` bf16/fp16 rows-contiguous operands one Triton launch
     with the measured tile (:func:`gemv_launch`); one bf16 row on Hopper without a bias
-    :func:`~.stream_gemv.stream_gemv` (bulk copies before the PDL wait); else the torch ops.
+    :func:`~.stream_gemv.stream_gemv` (bulk copies before the PDL wait), 2-16 such rows
+    :func:`~.stream_rows.stream_rows` (q/k/v and down as shipped); else the torch ops.
     Values differ from cuBLAS's only by the summation order (float32 sums).
     """
     return _gemv(x, weight, bias, None, impl, gated, rms)

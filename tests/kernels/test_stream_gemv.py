@@ -1,8 +1,8 @@
-"""The one-row bulk-copy products (kernels/stream_gemv.py): every epilogue's source compiles on
-the CPU without spills (NVRTC, as test_cuda_sources does for the segments); on an H200/H100
-against the float32 product and the Triton kernel's epilogues (bf16, within rounding), h bit
-for bit add_rms_norm's, deterministic, CUDA-graph replay == eager bit for bit, PDL on == off,
-and the switch that keeps the Triton kernel."""
+"""The bulk-copy products (kernels/stream_gemv.py: one row; kernels/stream_rows.py: 2-16 rows):
+every epilogue's source compiles on the CPU without spills (NVRTC, as test_cuda_sources does
+for the segments); on an H200/H100 against the float32 product and the Triton kernel's
+epilogues (bf16, within rounding), h bit for bit add_rms_norm's, deterministic, CUDA-graph
+replay == eager bit for bit, PDL on == off, and the switch that keeps the Triton kernel."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from kvstrata.kernels import _device
 from kvstrata.kernels import stream_gemv as sg
+from kvstrata.kernels import stream_rows as sr
 from kvstrata.kernels.gemv import GemvLaunch, RowRms, _gemv, gemv, gemv_add_norm
 from kvstrata.kernels.layer_ops import add_rms_norm
 
@@ -183,29 +184,29 @@ ROW_SHAPES = [(6144, 4096, False), (4096, 12288, False), (2048, 4096, False),
 @pytest.mark.parametrize("kc", [64, 128])
 def test_rows_sources_compile_without_spills(n, k, gated, kc):
     for rms_in, add_norm in ((False, False), (True, False), (False, True)):
-        if (gated and add_norm) or sg.rows_layout(k, n, 132, 8, 192, kc, add_norm,
+        if (gated and add_norm) or sr.rows_layout(k, n, 132, 8, 192, kc, add_norm,
                                                   gated) is None:
             continue
-        src, smem = sg.build_rows(k, n, 132, rms_in, add_norm, 8, 192, kc, 1, 1, gated)
+        src, smem = sr.build_rows(k, n, 132, rms_in, add_norm, 8, 192, kc, 1, 1, gated)
         assert smem <= 227 * 1024
         _check(_compile(src, "90"), "stream_rows", 256)
 
 
 def test_rows_layout_and_switches(monkeypatch):
     # q/k/v: 47 rows per block -> 3 m-tiles; 64 columns a stage: 8 KB, 24 stages in 192 KB
-    assert sg.rows_layout(4096, 6144, 132, 8, 192, 64, False) == (24, 3, 2048 + 24 * 8192 + 64)
-    assert sg.rows_layout(4096, 6144, 132, 8, 192, 128, False)[0] == 8   # 16 KB: 12 -> 8
-    assert sg.rows_layout(12288, 4096, 132, 8, 192, 64, True)[:2] == (32, 2)
-    assert sg.rows_layout(4000, 4096, 132, 8, 192, 64, False) is None     # K % columns
-    assert sg.rows_layout(4096, 100, 132, 8, 192, 64, False) is None      # fewer rows
-    assert sg.rows_layout(4096, 6144, 132, 8, 192, 96, False) is None     # not 64 columns
-    assert sg.rows_layout(4096, 40000, 132, 8, 192, 64, False) is None    # > 255 rows
+    assert sr.rows_layout(4096, 6144, 132, 8, 192, 64, False) == (24, 3, 2048 + 24 * 8192 + 64)
+    assert sr.rows_layout(4096, 6144, 132, 8, 192, 128, False)[0] == 8   # 16 KB: 12 -> 8
+    assert sr.rows_layout(12288, 4096, 132, 8, 192, 64, True)[:2] == (32, 2)
+    assert sr.rows_layout(4000, 4096, 132, 8, 192, 64, False) is None     # K % columns
+    assert sr.rows_layout(4096, 100, 132, 8, 192, 64, False) is None      # fewer rows
+    assert sr.rows_layout(4096, 6144, 132, 8, 192, 96, False) is None     # not 64 columns
+    assert sr.rows_layout(4096, 40000, 132, 8, 192, 64, False) is None    # > 255 rows
     with pytest.raises(ValueError, match="does not fit"):
-        sg.build_rows(4096, 6144, 132, False, False, 8, 192, 4096, 1, 1)
+        sr.build_rows(4096, 6144, 132, False, False, 8, 192, 4096, 1, 1)
     x, w = torch.randn(4, 256).bfloat16(), torch.randn(512, 256).bfloat16()
-    assert not sg.stream_rows_ok(x, w, None, False)                     # CPU
-    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, "4:96")
-    assert sg._rows_variant() == (4, 96) + sg.ROWS_VARIANT[2:]
+    assert not sr.stream_rows_ok(x, w, None, False)                     # CPU
+    monkeypatch.setenv(sr.ROWS_VARIANT_ENV, "4:96")
+    assert sr._rows_variant() == (4, 96) + sr.ROWS_VARIANT[2:]
 
 
 def _rows_ops(m, n, k, seed):
@@ -221,9 +222,9 @@ def _rows_ops(m, n, k, seed):
 @pytest.mark.parametrize("m", [2, 5, 16])
 def test_cuda_rows_against_float32_and_the_triton_kernel(n, k, gated, m, monkeypatch):
     """Every kind of product, the gated one by its switch."""
-    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, "8:192:64:4:7")
+    monkeypatch.setenv(sr.ROWS_VARIANT_ENV, "8:192:64:4:7")
     x, w = _rows_ops(m, n * (2 if gated else 1), k, seed=n + k + m)
-    assert sg.stream_rows_ok(x, w, None, gated)
+    assert sr.stream_rows_ok(x, w, None, gated)
     y = gemv(x, w, gated=gated)
     assert y.shape == (m, n) and torch.equal(y, gemv(x, w, gated=gated))   # deterministic
     if not gated:
@@ -255,7 +256,7 @@ def test_cuda_rows_add_norm_epilogue(n, k, m):
 def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(kinds, monkeypatch):
     """16 rows: down -> q/k/v (rows build) -> gate/up (Triton as shipped, or the rows build)
     captured in a graph."""
-    monkeypatch.setenv(sg.ROWS_VARIANT_ENV, f"8:192:64:4:{kinds}")
+    monkeypatch.setenv(sr.ROWS_VARIANT_ENV, f"8:192:64:4:{kinds}")
     xd, wd = _rows_ops(16, 4096, 12288, seed=3)
     _, wq = _rows_ops(16, 6144, 4096, seed=4)
     _, wgu = _rows_ops(16, 24576, 4096, seed=5)
@@ -268,4 +269,4 @@ def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(kinds, monkeypatch):
 
     _check_graph(chain, xd, monkeypatch)
     monkeypatch.setenv(sg.STREAM_ENV, "0")
-    assert not sg.stream_rows_ok(xd, wd, None, False)
+    assert not sr.stream_rows_ok(xd, wd, None, False)
