@@ -270,3 +270,17 @@ def test_cuda_rows_graph_replay_equals_eager_and_pdl_off(kinds, monkeypatch):
     _check_graph(chain, xd, monkeypatch)
     monkeypatch.setenv(sg.STREAM_ENV, "0")
     assert not sr.stream_rows_ok(xd, wd, None, False)
+
+
+def test_tensor_map_refuses_what_it_cannot_map():
+    """Checked before the driver is asked (no GPU needed): the dtype, the box, and views whose
+    rows are not 16-byte aligned."""
+    from kvstrata.kernels._cuda import tensor_map_2d
+    with pytest.raises(ValueError, match="bf16"):
+        tensor_map_2d(torch.zeros(16, 64), 16, 64)
+    with pytest.raises(ValueError, match="1-256 rows"):
+        tensor_map_2d(torch.zeros(16, 64, dtype=torch.bfloat16), 300, 64)
+    with pytest.raises(ValueError, match="64-column boxes"):
+        tensor_map_2d(torch.zeros(16, 64, dtype=torch.bfloat16), 16, 32)
+    with pytest.raises(ValueError, match="aligned rows"):
+        tensor_map_2d(torch.zeros(16, 70, dtype=torch.bfloat16)[:, :64], 16, 64)
