@@ -345,15 +345,10 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, launch: GemvLaunch | N
                          f"{rms.dim} columns do not fit x {tuple(x.shape)} (float32 [M, P])")
     M, K = x.shape
     N = weight.shape[0] // (2 if gated else 1)
-    if launch is None and M == 1 and stream_gemv_ok(x, weight, bias, gated, impl,
-                                                    add_norm is not None):
-        y = stream_gemv(x, weight, gated=gated, rms=rms, add_norm=add_norm)
-    elif launch is None and M > 1 and stream_rows_ok(x, weight, bias, gated, impl,
-                                                     add_norm is not None):
-        y = stream_rows(x, weight, gated=gated, rms=rms, add_norm=add_norm)
-    else:
-        y = None
-    if y is not None:
+    stream, stream_ok = (stream_gemv, stream_gemv_ok) if M == 1 else (stream_rows,
+                                                                        stream_rows_ok)
+    if launch is None and stream_ok(x, weight, bias, gated, impl, add_norm is not None):
+        y = stream(x, weight, gated=gated, rms=rms, add_norm=add_norm)
         if add_norm is None:
             return y
         out, h, parts = y

@@ -252,25 +252,30 @@ def _kernel(device: torch.device, k: int, n: int, gated: bool, rms_in: bool, add
         return Kernel(src, "stream_gemv", smem, nw * 32, blocks=blocks, cooperative=False)
 
 
+def operands_ok(x: Tensor, weight: Tensor, bias: Tensor | None, impl: str) -> bool:
+    """What both stream products ask of their operands: ``impl="auto"`` on an sm_90 GPU
+    (``KVSTRATA_STREAM_GEMV`` not ``0``), no bias, a 2-D bf16 input with contiguous columns and
+    a contiguous bf16 weight of as many columns, both 16-byte aligned, no autograd."""
+    return not (impl != "auto" or x.device.type != "cuda"
+                or os.environ.get(STREAM_ENV, "1") == "0" or bias is not None or x.dim() != 2
+                or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+                or x.stride(1) != 1 or not weight.is_contiguous() or weight.dim() != 2
+                or weight.shape[1] != x.shape[1] or x.data_ptr() % 16 or weight.data_ptr() % 16
+                or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or torch.cuda.get_device_capability(x.device)[0] != 9)
+
+
 def stream_gemv_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
                    impl: str = "auto", add_norm: bool = False) -> bool:
-    """Whether :func:`stream_gemv` serves ``F.linear(x, weight)``: ``impl="auto"``, one
-    contiguous bf16 row on an sm_90 GPU (``KVSTRATA_STREAM_GEMV`` not ``0``), a contiguous
-    weight that :func:`fits`, no bias, 16-byte aligned operands, and the shape compiles."""
-    if (impl != "auto" or x.device.type != "cuda" or os.environ.get(STREAM_ENV, "1") == "0"
-            or bias is not None or x.dim() != 2 or x.shape[0] != 1
-            or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or not x.is_contiguous() or not weight.is_contiguous() or weight.dim() != 2
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.cuda.get_device_capability(x.device)[0] != 9):
+    """Whether :func:`stream_gemv` serves ``F.linear(x, weight)``: one row whose operands are
+    :func:`operands_ok`, a product served by the switches, a weight that :func:`fits`, and
+    the shape compiles."""
+    if not operands_ok(x, weight, bias, impl) or x.shape[0] != 1:
         return False
     n, k = weight.shape
     n //= 2 if gated else 1
-    blocks = num_sms(x.device, 132)
-    if not _env_variant()[3] & (2 if gated else 4 if add_norm else 1):
-        return False
-    if (k != x.shape[1] or not fits(k, n, gated, blocks) or x.data_ptr() % 16
-            or weight.data_ptr() % 16):
+    if (not _env_variant()[3] & (2 if gated else 4 if add_norm else 1)
+            or not fits(k, n, gated, num_sms(x.device, 132))):
         return False
     return _compiled(x.device, k, n, gated)
 
@@ -328,4 +333,4 @@ def _run(kern: Kernel, head, x: Tensor, m: int, n: int, rms, add_norm, pdl: bool
     return out, h, parts
 
 
-__all__ = ["STREAM_ENV", "stream_gemv", "stream_gemv_ok"]
+__all__ = ["STREAM_ENV", "operands_ok", "stream_gemv", "stream_gemv_ok"]

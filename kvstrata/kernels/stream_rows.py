@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ._cuda import PRELUDE, Kernel, compiles, tensor_map_2d, variant
 from ._device import num_sms, pdl_ok
-from .stream_gemv import _BLOCK, _SMEM_MAX, STREAM_ENV, _run
+from .stream_gemv import _BLOCK, _SMEM_MAX, _run, operands_ok
 
 #: the switches of :func:`stream_rows` (2-16 rows): consumer warps; ring KB per block; the
 #: columns of a stage (a multiple of 64); and, as :data:`~.stream_gemv.VARIANT`'s last two,
@@ -282,21 +282,16 @@ def _rows_kernel(device: torch.device, k: int, n: int, gated: bool, rms_in: bool
 
 def stream_rows_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
                    impl: str = "auto", add_norm: bool = False) -> bool:
-    """Whether :func:`stream_rows` serves ``F.linear(x, weight)``: as :func:`stream_gemv_ok`
-    but 2-16 bf16 rows (each 16-byte aligned, columns contiguous)."""
-    if (impl != "auto" or x.device.type != "cuda"
-            or os.environ.get(STREAM_ENV, "1") == "0" or bias is not None or x.dim() != 2
-            or not 2 <= x.shape[0] <= 16 or x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 8
-            or not weight.is_contiguous() or weight.dim() != 2
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            or torch.cuda.get_device_capability(x.device)[0] != 9):
+    """Whether :func:`stream_rows` serves ``F.linear(x, weight)``: 2-16 rows (16-byte aligned)
+    whose operands are :func:`~.stream_gemv.operands_ok`, a product served by the switches,
+    a layout that fits (:func:`rows_layout`), and the shape compiles."""
+    if (not operands_ok(x, weight, bias, impl) or not 2 <= x.shape[0] <= 16
+            or x.stride(0) % 8):
         return False
     n, k = weight.shape
     n //= 2 if gated else 1
     nw, ring_kb, kc, _, kinds = _rows_variant()
-    if (not kinds & (2 if gated else 4 if add_norm else 1) or k != x.shape[1]
-            or x.data_ptr() % 16 or weight.data_ptr() % 16
+    if (not kinds & (2 if gated else 4 if add_norm else 1)
             or rows_layout(k, n, num_sms(x.device, 132), nw, ring_kb, kc, not gated,
                            gated) is None):
         return False
