@@ -10,7 +10,8 @@ row scale before it, gate/up + SiLU and down after it; no q/k norm, RoPE or K/V 
 checks the outputs against the Triton path, and reads each variant's phases inside the graph
 from per-block timestamps (``%globaltimer``, 16 slots per block): attention's partial stored, the
 two grid barriers, the merge, the input and weights ready, the end; for the verify segment also
-warp 0's first page in, its pages done, the split merged in the block and its PDL wait over.
+warp 0's first page in, its pages done, the split merged in the block, its PDL wait over,
+every compute warp's pages done and the warps' states exchanged.
 
     python benchmarks/segment_proto.py --contexts 1024 8192 --out $OUT/segment.md
 
@@ -90,7 +91,7 @@ def main() -> None:
     if args.variants is None:
         args.variants = ["8:0", "8:1", "10:0"] if use_verify else ["16:0", "16:1", "24:0", "8:0"]
     variants = [variant(v, shipped_v, "--variants") for v in args.variants]
-    knobs = "NST:PREF:WG:PDL" if use_verify else "RS:RREG"
+    knobs = "NST:PREF:WG:PDL:LAZY:SPREAD" if use_verify else "RS:RREG"
     stamps = torch.zeros(nl, seg.BLOCKS * 16, dtype=torch.int64, device=dev)
     for ctx in args.contexts:
         pages = ctx // PAGE
@@ -165,7 +166,7 @@ def main() -> None:
             for name, fn in (("alone", lambda: [fused(i, q_alone, v, stamps)
                                                 for i in range(nl)]),
                              ("in a layer", layer_chain(seg_fused(v, stamps)))):
-                nk = 11 if use_verify else 7
+                nk = 13 if use_verify else 7
                 stamps.zero_()
                 _graph_us(fn, nl, reps=3)
                 t = stamps.view(nl, seg.BLOCKS, 16)[nl // 4: 3 * nl // 4, :, :nk].double().cpu()
@@ -180,11 +181,12 @@ def main() -> None:
             "median over the middle half of the layers):")
         say("")
         extra = (" first page in (warp 0) | pages done (warp 0) | split merged in the block |"
-                 " after the PDL wait (warp 0) |" if use_verify else "")
+                 " after the PDL wait (warp 0) | all pages done | states exchanged |"
+                 if use_verify else "")
         say(f"| {knobs} | start | partial stored | barrier 1 (+ RREG loads or the "
             "prefetch issued) | merged | barrier 2 | x + weights ready (decode) or products "
             f"summed (verify) | end |{extra}")
-        say("|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if use_verify else ""))
+        say("|---|---|---|---|---|---|---|---|" + ("---|" * 6 if use_verify else ""))
         for row in phases:
             say(row)
         say("")

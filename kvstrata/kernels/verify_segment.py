@@ -9,11 +9,15 @@ cooperative launch), the batch-1 decode segment's plan (:mod:`.decode_segment`) 
 products:
 
 1. a producer warp per block brings the pages of one (KV head, split) into a ring of
-   shared-memory stages with Hopper tensor copies (128-byte swizzle), then the block's first 16
-   o_proj weight rows with bulk copies (after the pages: among them they slowed the pages);
+   shared-memory stages with Hopper tensor copies (128-byte swizzle) and the block's first 16
+   o_proj weight rows with bulk copies, one after every second page and the rest after the
+   last (all after the pages left ~3 us of weight traffic in flight when the split's partial
+   is stored, which delayed it; twenty-eighth runner session);
 2. eight warps compute the split's attention, a warp per query head's 16 (token) rows, two
-   warps per head over every other page, online softmax in float32, causal and length masks,
-   V rows past the sequence zeroed. With 4 query heads per KV head the four warps of a head
+   warps per head over every other page, online softmax in float32 (the running maxima move
+   only when one grows by more than 2^8, so most pages skip the rescale of the output state;
+   pages wholly before every query skip the masks), causal and length masks, V rows past the
+   sequence zeroed. With 4 query heads per KV head the four warps of a head
    group are a warpgroup and multiply a page straight from the ring (``wgmma``, sm_90a):
    ``QK^T`` as eight m64n16k16, ``PV`` as one m64n128k16; other groupings use per-warp
    ``mma.m16n8k16`` with ``ldmatrix``. A head's first warp merges the other warps' states
@@ -84,8 +88,8 @@ WARPS = 8           # compute warps; one more warp issues the copies
 THREADS = (WARPS + 1) * 32
 #: ring stages of one page (K and V, 8 KB) each
 STAGES = 8
-#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl``
-VARIANT = (STAGES, 0, 1, 1)
+#: :func:`source`'s switches as shipped: ``stages, pref, wg, pdl, lazy, spread``
+VARIANT = (STAGES, 0, 1, 1, 1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``10:1``
 VARIANT_ENV = "KVSTRATA_VERIFY_SEGMENT_VARIANT"
@@ -110,6 +114,12 @@ _SOURCE = r"""
 #define NCH (K_IN / 512)
 #define WG %(wg)d
 #define PDL %(pdl)d
+#define LAZY %(lazy)d
+#define SPREAD %(spread)d
+#define RESCALE 8.f
+// exp2 without denormal results (their flush to zero is below every use here)
+__device__ __forceinline__ float ex2(float x) {
+    float y; asm("ex2.approx.ftz.f32 %%0, %%1;" : "=f"(y) : "f"(x)); return y; }
 %(prelude)s
 static_assert(NST >= NW, "the ring holds the compute warps' states after attention");
 static_assert(MT <= 2 && 8 * WP <= RING + 128, "o_proj rows 16-23 fit the ring (+ its slack)");
@@ -186,7 +196,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         if (lane == 0) mbar_expect(wbar, 16 * K_IN * 2);
         const int page_rows = nlayers * 2 * NKV * 16;
         const int row0 = (layer * 2 * NKV + h) * 16;
-        int btl = 0;
+        int btl = 0, wnext = 0;
         // under PDL: pages with any of the last 16 positions hold this step's K/V (the
         // previous kernel's), read after the wait
         const int dep = max(0, (L - 16) / 16 - lo / 16);
@@ -204,9 +214,17 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
                 tensor_copy(dst + 4096, &kvmap, 0, y + NKV * 16, full + st);
                 tensor_copy(dst + 6144, &kvmap, 64, y + NKV * 16, full + st);
             }
+            if (SPREAD && (i & 1) && wnext < 16) {
+                if (lane == 0)
+                    bulk_copy(sa(wsm) + wnext * WP, W + (size_t)(c * 16 * MT + wnext) * K_IN,
+                              K_IN * 2, wbar);
+                ++wnext;
+            }
             __syncwarp();
         }
-        if (lane == 0) copy_rows(sa(wsm), W + (size_t)c * 16 * MT * K_IN, 16, wbar);
+        if (lane == 0)
+            copy_rows(sa(wsm) + wnext * WP, W + (size_t)(c * 16 * MT + wnext) * K_IN, 16 - wnext,
+                      wbar);
 #if PDL
         GDC_WAIT();
         LOAD_RES()
@@ -281,14 +299,20 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 #if !WG
             const int k0 = lo + i * 16;
 #endif
+            // LAZY: the scores stay unscaled (the scale is folded into the exponent) and a page
+            // wholly inside the split and before every query needs no mask (warp-uniform)
+            const bool whole = LAZY && k0 + 16 <= hi && k0 + 15 <= L - nq;
+            const float sc = LAZY ? 1.f : qk_scale;
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
             for (int j = 0; j < 2; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    const int kp = k0 + 8 * j + 2 * qd + e;
-                    s[j][e] = kp <= qp0 && kp < hi ? s[j][e] * qk_scale : NEG_INF;
-                    s[j][2 + e] = kp <= qp1 && kp < hi ? s[j][2 + e] * qk_scale : NEG_INF;
+                    if (!whole) {
+                        const int kp = k0 + 8 * j + 2 * qd + e;
+                        s[j][e] = kp <= qp0 && kp < hi ? s[j][e] * sc : NEG_INF;
+                        s[j][2 + e] = kp <= qp1 && kp < hi ? s[j][2 + e] * sc : NEG_INF;
+                    }
                     mx0 = fmaxf(mx0, s[j][e]);
                     mx1 = fmaxf(mx1, s[j][2 + e]);
                 }
@@ -296,6 +320,32 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+#if LAZY
+            // the running maxima move only when a row's grows by more than RESCALE (log2
+            // units, a warp-uniform decision): most pages skip the rescale of o, and P may
+            // reach 2^RESCALE
+            const float n0 = fmaxf(m0, mx0 * qk_scale), n1 = fmaxf(m1, mx1 * qk_scale);
+            if (__any_sync(0xffffffffu, n0 > m0 + RESCALE || n1 > m1 + RESCALE)) {
+                const float y0 = n0 == NEG_INF ? 0.f : n0, y1 = n1 == NEG_INF ? 0.f : n1;
+                const float al0 = ex2(m0 - y0), al1 = ex2(m1 - y1);
+                m0 = n0; m1 = n1;
+                l0 *= al0; l1 *= al1;
+#pragma unroll
+                for (int n = 0; n < 16; ++n) {
+                    o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
+                }
+            }
+            const float z0 = m0 == NEG_INF ? 0.f : m0, z1 = m1 == NEG_INF ? 0.f : m1;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    s[j][e] = ex2(fmaf(s[j][e], qk_scale, -z0));
+                    s[j][2 + e] = ex2(fmaf(s[j][2 + e], qk_scale, -z1));
+                }
+            l0 += (s[0][0] + s[0][1]) + (s[1][0] + s[1][1]);
+            l1 += (s[0][2] + s[0][3]) + (s[1][2] + s[1][3]);
+#else
             const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
             const float z0 = n0 == NEG_INF ? 0.f : n0, z1 = n1 == NEG_INF ? 0.f : n1;
             const float al0 = exp2f(m0 - z0), al1 = exp2f(m1 - z1);
@@ -313,6 +363,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
             for (int n = 0; n < 16; ++n) {
                 o[n][0] *= al0; o[n][1] *= al0; o[n][2] *= al1; o[n][3] *= al1;
             }
+#endif
             const u32 pa0 = pack_bf(s[0][0], s[0][1]), pa1 = pack_bf(s[0][2], s[0][3]);
             const u32 pa2 = pack_bf(s[1][0], s[1][1]), pa3 = pack_bf(s[1][2], s[1][3]);
 #if WG
@@ -358,6 +409,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
 #define COMPUTE_SYNC() __syncthreads()
 #endif
     COMPUTE_SYNC();
+    STAMP(11)
     // the split's partial of each (token, head): a head's first warp merges the states of its
     // WPM - 1 other warps (through the ring) into its registers and stores the partial
     const int gw = warp %% GROUP, pw = warp / GROUP;
@@ -373,6 +425,7 @@ verify_segment(const __grid_constant__ TMap kvmap, const bf16_t* __restrict__ q,
         }
     }
     COMPUTE_SYNC();
+    STAMP(12)
     if (warp < NW && pw == 0) {
         // each row's weights: the warps' maxima, then exp2 of the differences over the sum
         float f0[WPM], f1[WPM];
@@ -608,16 +661,21 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
-           pref: int = 0, wg: int = 1, pdl: int = 0, stamps: bool = False) -> str:
+           pref: int = 0, wg: int = 1, pdl: int = 0, lazy: int = 0, spread: int = 0,
+           stamps: bool = False) -> str:
     """The kernel's CUDA source for one shape (``pref``: an L2 prefetch of the weight rows not
     in shared memory after the first barrier; ``wg``: attention by warpgroup products, sm_90a,
     4 query heads per KV head only; ``pdl``: a programmatic dependent launch, the pages and the
-    first weight rows issued before the wait; ``stamps``: per-block phase timestamps)."""
+    first weight rows issued before the wait; ``lazy``: the page loop's running maxima move
+    only by more than 2^8 (most pages skip the rescale), the scale folded into the exponent,
+    no masks on whole pages before every query; ``spread``: the first 16 weight rows one
+    after every second page, not all after the last; ``stamps``: per-block phase
+    timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
                       "splits": BLOCKS // nkv,
                       "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
                       "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pdl": int(pdl),
-                      "stamps": int(stamps)}
+                      "lazy": int(lazy), "spread": int(spread), "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
@@ -630,17 +688,18 @@ def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, stages: int, pref: int, wg: int,
-          pdl: int, stamps: bool) -> tuple[str, str]:
+          pdl: int, lazy: int, spread: int, stamps: bool) -> tuple[str, str]:
     """The source a launch compiles and its NVRTC target: the warpgroup build (4 query heads
     per KV head only) for ``sm_90a``, the ``mma`` build for ``sm_90``."""
     wg = int(bool(wg) and group == 4)
-    return source(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps), "90a" if wg else "90"
+    src = source(nkv, group, k_in, n_out, stages, pref, wg, pdl, lazy, spread, stamps)
+    return src, "90a" if wg else "90"
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, stages: int,
-            pref: int, wg: int, pdl: int, stamps: bool) -> Kernel:
-    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, stamps)
+            pref: int, wg: int, pdl: int, lazy: int, spread: int, stamps: bool) -> Kernel:
+    src, arch = build(nkv, group, k_in, n_out, stages, pref, wg, pdl, lazy, spread, stamps)
     with torch.cuda.device(device):
         return Kernel(src, "verify_segment", smem_bytes(k_in, n_out, stages), THREADS,
                       arch=arch if arch == "90a" else None)

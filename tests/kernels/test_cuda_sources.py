@@ -110,7 +110,7 @@ def test_segments_wait_for_the_previous_kernel_only_as_pdl_launches(mod):
     q, the residual and the newest pages); with the switch off the source has no wait."""
     head = (8, 4, 4096, 4096)
     on, arch = mod.build(*head, *mod.VARIANT, False)
-    off, _ = mod.build(*head, *mod.VARIANT[:3], 0, False)
+    off, _ = mod.build(*head, *mod.VARIANT[:3], 0, *mod.VARIANT[4:], False)
     assert mod.VARIANT[3] == 1
     arch = arch if isinstance(arch, str) else "90"
     assert "griddepcontrol.wait" in _compile(on, arch)[0]
@@ -118,8 +118,9 @@ def test_segments_wait_for_the_previous_kernel_only_as_pdl_launches(mod):
 
 
 def test_verify_segment_benchmark_switches_compile():
-    """The L2 prefetch, a deeper ring and the timestamps (``segment_proto.py --queries``)."""
-    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, True)
+    """The L2 prefetch, a deeper ring, the page loop's eager rescale, the weight rows after
+    the last page and the timestamps (``segment_proto.py --queries``)."""
+    src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, 0, 0, True)
     _check(_compile(src, arch), "verify_segment", vs.THREADS)
 
 

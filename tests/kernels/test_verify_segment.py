@@ -129,6 +129,30 @@ def test_cuda_narrow_blocks(t, mark):
     _check(*_case("cuda", 3001, t, seed=t))
 
 
+@pytest.mark.parametrize("ramp", [(1.0, 30.0), (30.0, 1.0), (1.0, 1.0)])
+@pytest.mark.parametrize("lazy", [1, 0])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_growing_and_falling_scores(ramp, lazy, mark):
+    """K scaled by position from ``ramp[0]`` to ``ramp[1]``: rising scores move every row's
+    running maximum by far more than the lazy rescale's threshold again and again along a
+    split (the rescale of ``o`` inside the page loop), falling ones never after the first
+    page (P up to 2^8); both builds of the page loop against the float32 reference."""
+    q, kv, meta, w, res, gam = _case("cuda", 4097, seed=7)
+    logical = meta.block_tables[0, :-(-4097 // 16)].long()
+    scale = torch.linspace(*ramp, logical.numel(), device="cuda")
+    kv[logical, :, 0] = (kv[logical, :, 0].float()
+                         * scale[:, None, None, None, None]).to(torch.bfloat16)
+    v = list(vs.VARIANT)
+    v[4] = lazy
+    x, h, _ = vs.verify_segment(q, kv, 1, meta, sm_scale=128 ** -0.5, weight=w, residual=res,
+                                norm_weight=gam, eps=1e-6, _variant=tuple(v))
+    o = paged_attention(q.float(), kv.float(), 1, meta, sm_scale=128 ** -0.5, impl="torch")
+    ref = res.float() + o.reshape(16, -1).to(torch.bfloat16).float() @ w.float().t()
+    _, th, _ = _triton(q, kv, 1, meta, w, res, gam)
+    terr = (th.float() - ref).abs().max().item()
+    assert (h.float() - ref).abs().max().item() <= max(2 * terr, 2e-2)
+
+
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_shortened_block_and_nan_past_the_sequence(mark):
     """A graph's plan packs 16 rows and says in ``query_lens`` how many are real; pool slots
