@@ -117,6 +117,18 @@ def test_segments_wait_for_the_previous_kernel_only_as_pdl_launches(mod):
     assert "griddepcontrol" not in _compile(off, arch)[0]
 
 
+def test_verify_segment_page_loop_rescales_lazily_as_shipped():
+    """The shipped page loop moves its running maxima on one warp vote per page and takes its
+    exponentials without denormals (``lazy``, twenty-eighth runner session); the eager build
+    rescales every page with neither."""
+    assert vs.VARIANT[4:] == (1, 1)
+    on, arch = vs.build(8, 4, 4096, 4096, *vs.VARIANT, False)
+    off, _ = vs.build(8, 4, 4096, 4096, *vs.VARIANT[:4], 0, 1, False)
+    ptx_on, ptx_off = _compile(on, arch)[0], _compile(off, arch)[0]
+    assert "vote.sync.any.pred" in ptx_on and "ex2.approx.ftz.f32" in ptx_on
+    assert "vote.sync.any" not in ptx_off and "ex2.approx.ftz.f32" not in ptx_off
+
+
 def test_verify_segment_benchmark_switches_compile():
     """The L2 prefetch, a deeper ring, the page loop's eager rescale, the weight rows after
     the last page and the timestamps (``segment_proto.py --queries``)."""
