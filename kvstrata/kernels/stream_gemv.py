@@ -210,8 +210,6 @@ stream_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ W, bf16_t* 
 """
 
 
-
-
 def _env_variant() -> tuple[int, ...]:
     return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
 
@@ -236,9 +234,8 @@ def build(k: int, n: int, blocks: int, gated: bool, rms_in: bool, add_norm: bool
     while ns > nw and smem_bytes(k, gated, ns, nw, maxr) > _SMEM_MAX:
         ns -= nw
     src = _SOURCE % {"prelude": PRELUDE, "block": _BLOCK, "k": k, "gated": int(gated),
-                     "rms_in": int(rms_in),
-                     "add_norm": int(add_norm), "nw": nw, "ns": ns, "maxr": maxr,
-                     "pdl": int(pdl), "trigger": int(trigger)}
+                     "rms_in": int(rms_in), "add_norm": int(add_norm), "nw": nw, "ns": ns,
+                     "maxr": maxr, "pdl": int(pdl), "trigger": int(trigger)}
     return src, smem_bytes(k, gated, ns, nw, maxr)
 
 

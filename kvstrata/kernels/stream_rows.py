@@ -262,9 +262,9 @@ def build_rows(k: int, n: int, blocks: int, rms_in: bool, add_norm: bool, nw: in
                          f"{kc}-column stages does not fit a block's shared memory")
     ns, mt, smem = lay
     src = _ROWS_SOURCE % {"prelude": PRELUDE, "block": _BLOCK, "k": k, "rms_in": int(rms_in),
-                          "gated": int(gated),
-                          "add_norm": int(add_norm), "nw": nw, "ns": ns, "kc": kc, "mt": mt,
-                          "maxr": -(-n // blocks), "pdl": int(pdl), "trigger": int(trigger)}
+                          "gated": int(gated), "add_norm": int(add_norm), "nw": nw, "ns": ns,
+                          "kc": kc, "mt": mt, "maxr": -(-n // blocks), "pdl": int(pdl),
+                          "trigger": int(trigger)}
     return src, smem
 
 
@@ -292,6 +292,8 @@ def stream_rows_ok(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool,
     n //= 2 if gated else 1
     nw, ring_kb, kc, _, kinds = _rows_variant()
     if (not kinds & (2 if gated else 4 if add_norm else 1)
+            # every epilogue of the shape is compiled at once: a plain one fits the add-norm's
+            # layout too
             or rows_layout(k, n, num_sms(x.device, 132), nw, ring_kb, kc, not gated,
                            gated) is None):
         return False

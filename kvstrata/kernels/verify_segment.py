@@ -672,10 +672,10 @@ def source(nkv: int, group: int, k_in: int, n_out: int, stages: int = STAGES,
     after every second page, not all after the last; ``stamps``: per-block phase
     timestamps)."""
     return _SOURCE % {"prelude": PRELUDE, "wgmma": WGMMA, "nkv": nkv, "group": group,
-                      "splits": BLOCKS // nkv,
-                      "k_in": k_in, "mt": n_out // (BLOCKS * 16), "nst": stages,
-                      "blocks": BLOCKS, "pref": int(pref), "wg": int(wg), "pdl": int(pdl),
-                      "lazy": int(lazy), "spread": int(spread), "stamps": int(stamps)}
+                      "splits": BLOCKS // nkv, "k_in": k_in, "mt": n_out // (BLOCKS * 16),
+                      "nst": stages, "blocks": BLOCKS, "pref": int(pref), "wg": int(wg),
+                      "pdl": int(pdl), "lazy": int(lazy), "spread": int(spread),
+                      "stamps": int(stamps)}
 
 
 def smem_bytes(k_in: int, n_out: int, stages: int = STAGES) -> int:
