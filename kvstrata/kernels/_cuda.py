@@ -354,14 +354,15 @@ def tensor_map_2d(t: Tensor, box_rows: int, box_cols: int) -> ctypes.Array:
     chunk ``c ^ (r % 8)``); a box's rows past the tensor's land as zeros. Cached per (address,
     shape, row stride): a pool keeps its storage."""
     cols = t.shape[-1]
-    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0:
+    rows_aligned = t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0
+    if rows_aligned:
         rows, stride = t.shape[0], t.stride(0)
     else:
         rows, stride = t.numel() // max(cols, 1), cols
     key = (t.data_ptr(), rows, cols, stride, box_rows, box_cols)
     m = _MAPS.get(key)
     if m is None:
-        if (t.dtype != torch.bfloat16 or not (t.is_contiguous() or stride != cols)
+        if (t.dtype != torch.bfloat16 or not (rows_aligned or t.is_contiguous())
                 or box_cols * 2 != 128 or rows >= 2 ** 31 or not 0 < box_rows <= 256):
             raise ValueError(f"tensor_map_2d: a bf16 tensor below 2**31 rows (contiguous, or "
                              f"2-D with 16-byte aligned rows), 64-column boxes of 1-256 rows, "

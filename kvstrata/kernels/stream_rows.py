@@ -307,7 +307,7 @@ def _rows_compiled(device: torch.device, k: int, n: int, gated: bool) -> bool:
         lambda: [_rows_kernel(device, k, n, gated, r, a, *v[:4], int(pdl_ok(device, "gemv")))
                  for r in (False, True) for a in ((False,) if gated else (False, True))
                  if not (r and a)],
-        f"kernels.stream_gemv: the rows build not compiled for [{n}, {k}]"
+        f"kernels.stream_rows: not compiled for [{n}, {k}]"
         f"{' gated' if gated else ''} on {device}",
         "products of 2-16 rows keep the Triton kernel")
 
