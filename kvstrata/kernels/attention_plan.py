@@ -29,6 +29,13 @@ FINE_MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
 #: tokens_per_split is a multiple of this (every KV tile size BLOCK_N <= 128 divides it).
 SPLIT_ALIGN = 128
+#: Decode launches of at most this many (sequence, query block, KV head) groups merge their
+#: splits in the same launch (``kernel_config``'s ``FUSED_REDUCE``) over a grid of
+#: ``SplitPolicy.fused_waves`` programs per SM; larger ones merge in a second launch. H200, one
+#: layer, cold L2, graph replay, us (docs/benchmarks.md, "Decode attention: the merge by grid
+#: size"): 1 x 8k fused 32 splits 22.2 against 23.0 for two launches; 8 x 32k (64 groups) fused
+#: 284.8 against 259.7, 32 x 8k (256 groups) 286.1 against 260.2.
+FUSED_MERGE_GROUPS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +47,9 @@ class SplitPolicy:
         fine_min_tokens: shortest split when even ``min_tokens`` splits would leave SMs idle
             (fewer than ``num_sms`` programs); ``fine_min_tokens >= align``.
         waves: target programs per SM (``programs <= waves * num_sms``).
+        fused_waves: the same for decode that merges in the same launch (at most
+            :data:`FUSED_MERGE_GROUPS` groups): 1 x 8k 22.2 us with 32 splits (2 programs per
+            SM) against 26.6 with 64; 1 x 32k 50.8 against 56.2.
         short_ctx: contexts up to this many tokens are not split once every SM has a program.
         verify_split_ctx: multi-token queries over contexts this long take >= 2 splits (when
             unsplit they would exceed ``waves`` programs per SM).
@@ -53,6 +63,7 @@ class SplitPolicy:
     min_tokens: int = MIN_TOKENS_PER_SPLIT
     fine_min_tokens: int = FINE_MIN_TOKENS_PER_SPLIT
     waves: float = 4.0
+    fused_waves: float = 2.0
     max_splits: int = MAX_SPLITS
     short_ctx: int = 2048
     verify_split_ctx: int = 8192
@@ -65,7 +76,8 @@ class SplitPolicy:
         if not (self.align <= self.fine_min_tokens <= self.min_tokens):
             raise ValueError("need align <= fine_min_tokens <= min_tokens, got "
                              f"{self.align}, {self.fine_min_tokens}, {self.min_tokens}")
-        if self.waves <= 0 or self.max_splits < 1 or self.verify_fine_min_tokens < self.align:
+        if (self.waves <= 0 or self.fused_waves <= 0 or self.max_splits < 1
+                or self.verify_fine_min_tokens < self.align):
             raise ValueError(f"waves must be > 0 and max_splits >= 1, got {self.waves}, "
                              f"{self.max_splits}")
 
@@ -165,7 +177,8 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
 
     - Aim at ``policy.waves`` programs per SM and never more (``floor``): a last, partial wave
       runs with too few programs to keep HBM busy (32 x 8k decode: 351 us with 3 splits = 768
-      programs, 255 us with 2 = 512).
+      programs, 255 us with 2 = 512). Decode of at most :data:`FUSED_MERGE_GROUPS` groups,
+      which merges in the same launch, aims at ``policy.fused_waves``.
     - Short contexts (``<= policy.short_ctx``) that already give every SM a program are not
       split: the partial outputs and the merge cost more than they save.
     - Multi-token queries (verify) over long contexts (``>= policy.verify_split_ctx``) take at
@@ -183,7 +196,8 @@ def choose_num_splits(num_seqs: int, max_seq_len: int, *, num_kv_heads: int = 8,
     programs = max(1, num_seqs * num_kv_heads * num_q_blocks)
     if max_seq_len <= pol.short_ctx and programs >= num_sms:
         return 1
-    want = math.floor(pol.waves * num_sms / programs)
+    fused = max_query_len <= 1 and programs <= FUSED_MERGE_GROUPS
+    want = math.floor((pol.fused_waves if fused else pol.waves) * num_sms / programs)
     if (max_query_len > 1 and max_seq_len >= pol.verify_split_ctx
             and programs > pol.waves * num_sms):
         want = max(want, 2)
@@ -259,7 +273,8 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
     qsl[1:] = torch.cumsum(torch.tensor(ql_host, dtype=torch.int64), 0).to(torch.int32)
     max_q = max(ql_host, default=0)
     max_s = max(sl_host, default=0) if sl_host is not None else capacity
-    if num_splits is None:
+    chosen = num_splits is None
+    if chosen:
         if num_sms is None:
             num_sms = device_num_sms(dev, 132)
         q_blocks = max(1, math.ceil(max_q / 16))
@@ -271,6 +286,8 @@ def plan_attention(block_tables: Tensor, seq_lens: Tensor | Sequence[int],
     align = (split_policy or DEFAULT_SPLIT_POLICY).align
     per = math.ceil(max(max_s, 1) / num_splits)
     per = math.ceil(per / align) * align
+    if chosen:   # no program whose split starts past the longest sequence (1 x 8k: 33 -> 32)
+        num_splits = math.ceil(max(max_s, 1) / per)
     sl_t = seq_lens if isinstance(seq_lens, Tensor) else torch.tensor(sl_host, dtype=torch.int32)
     return AttentionMetadata(
         block_tables=block_tables.to(dev), seq_lens=sl_t.to(device=dev, dtype=torch.int32),
@@ -296,7 +313,7 @@ def block_q_for(group: int, max_query_len: int) -> int:
 
 
 def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_split: int = 0,
-                  programs: int = 0, num_sms: int = 132) -> dict:
+                  programs: int = 0, num_sms: int = 132, groups: int = 0) -> dict:
     """Default tile and launch knobs (``config=`` of :func:`paged_attention_triton` overrides
     any of them; ``benchmarks/attention_bench.py --sweep-cases`` measures the alternatives).
 
@@ -308,7 +325,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     ``maxnreg`` (optional): cap the registers per thread (more programs per SM);
     ``TMA_STAGES``: when > 0, causal launches over a pool that allows it take whole pages by
     bulk tensor copies into that many stages (``_paged_attention_tma_kernel``).
-    ``programs``: the launch's grid size (0 = unknown), against ``num_sms``.
+    ``programs``: the launch's grid size (0 = unknown), against ``num_sms``; ``groups``: its
+    (sequence, query block, KV head) groups (0 = unknown: taken as few).
     """
     group_pad = next_power_of_2(group)
     block_q = block_q_for(group, max_query_len)
@@ -341,7 +359,8 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
         # per layer against 179.4 uncapped, 4 tokens 141.3 against 157.8.
         if max_query_len > 1 and programs > 2 * num_sms:
             maxnreg = 128
-    # Decode (one query row per head) merges its splits in the same launch: the last split
+    # Decode (one query row per head) of few groups (FUSED_MERGE_GROUPS) merges its splits in
+    # the same launch: the last split
     # program of a KV head reads [GROUP_PAD, RED_CHUNK, BLOCK_D] fp32 partial tiles. H200, batch
     # 1, 36 layers in a graph, the runner's 34-program grid (docs/benchmarks.md, fifth runner
     # session), us per layer at 1k / 8k / 32k: split + merge 8.9 / 20.6 / 67.5, fused with
@@ -359,9 +378,10 @@ def kernel_config(group: int, head_dim: int, max_query_len: int, tokens_per_spli
     tma = 8 if 1 < max_query_len <= 16 and 0 < programs <= 3 * num_sms else 0
     return dict(GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4 if block_m <= 64 else 8, num_stages=2,
-                FUSED_REDUCE=max_query_len == 1, RED_CHUNK=red_chunk, SPLIT_LOOP=True,
+                FUSED_REDUCE=max_query_len == 1 and groups <= FUSED_MERGE_GROUPS,
+                RED_CHUNK=red_chunk, SPLIT_LOOP=True,
                 maxnreg=maxnreg, TMA_STAGES=tma)
 
 
-__all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "SplitPolicy", "block_q_for",
-           "choose_num_splits", "kernel_config", "plan_attention"]
+__all__ = ["AttentionMetadata", "DEFAULT_SPLIT_POLICY", "FUSED_MERGE_GROUPS", "SplitPolicy",
+           "block_q_for", "choose_num_splits", "kernel_config", "plan_attention"]

@@ -503,9 +503,10 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         return out
     blk_q = (config or {}).get("BLOCK_Q", block_q_for(group, meta.max_query_len))
     num_q_blocks = math.ceil(max(meta.max_query_len, 1) / blk_q)
+    n_groups = meta.num_seqs * num_q_blocks * hkv
     cfg = kernel_config(group, d, meta.max_query_len, meta.tokens_per_split,
-                        programs=meta.num_seqs * num_q_blocks * hkv * meta.num_splits,
-                        num_sms=num_sms(q.device, 132))
+                        programs=n_groups * meta.num_splits, num_sms=num_sms(q.device, 132),
+                        groups=n_groups)
     if config:
         cfg.update(config)   # tuning sweeps (benchmarks/attention_bench.py --sweep-cases)
     splits = meta.num_splits
@@ -523,7 +524,6 @@ def paged_attention_triton(q: Tensor, kv_cache: Tensor, layer: int, meta: Attent
         part_lse = torch.empty((splits, T, hq), dtype=torch.float32, device=q.device)
     else:
         part_o = part_lse = out  # unused (SPLIT=False)
-    n_groups = meta.num_seqs * num_q_blocks * hkv
     if fused:
         if counters is None:
             counters = split_counters(q.device, n_groups)

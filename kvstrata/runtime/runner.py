@@ -373,7 +373,11 @@ class ModelRunner:
     # -- plans ----------------------------------------------------------------------------------
     def _splits(self, b: int, q: int, num_kv_heads: int) -> int:
         m = self.min_split_tokens
-        pol = dataclasses.replace(DEFAULT_SPLIT_POLICY, min_tokens=m)
+        # The runner's grids were measured in its graphs (36 layers, warm): its batch-1
+        # decode keeps the 4-wave grid (34 programs per KV head at 8k + 512, fifth runner
+        # session) with the merge in the same launch.
+        pol = dataclasses.replace(DEFAULT_SPLIT_POLICY, min_tokens=m,
+                                  fused_waves=DEFAULT_SPLIT_POLICY.waves)
         s = choose_num_splits(b, self.max_seq_len, num_kv_heads=num_kv_heads,
                               num_q_blocks=max(1, math.ceil(q / 16)),
                               num_sms=device_num_sms(self.device, 132), policy=pol,

@@ -173,10 +173,13 @@ def test_tma_only_where_a_descriptor_can_copy_the_pages():
 
 
 def test_split_choice_is_host_only_and_sane():
-    assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 64   # ~4 waves, capped
+    # Decode of <= 16 (sequence, KV head) groups merges in the same launch over ~2 programs
+    # per SM: 33 programs per head (the plan drops the one whose 128-token-aligned split
+    # would start past the sequence: 32, below).
+    assert choose_num_splits(1, 32768, num_kv_heads=8, num_sms=132) == 33
+    assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132) == 33
     # A few short sequences: 512-token splits would leave SMs idle, so splits go down to 128.
     assert choose_num_splits(1, 1024, num_kv_heads=8, num_sms=132) == 8
-    assert choose_num_splits(1, 8192, num_kv_heads=8, num_sms=132) == 64
     assert choose_num_splits(2, 8192, num_kv_heads=8, num_sms=132) == 16    # 512-token splits fill it
     assert choose_num_splits(128, 32768, num_kv_heads=8, num_sms=132) == 1
     # Decode: at most 4 programs per SM (3 splits = 768 programs ran 35% slower on an H200).
@@ -209,12 +212,13 @@ def test_split_choice_is_host_only_and_sane():
         SplitPolicy(min_tokens=64, fine_min_tokens=128)
     bt = torch.zeros(1, 2048, dtype=torch.int32)
     meta = plan_attention(bt, [32768], [1], page_size=16, num_sms=132, num_kv_heads=8)
-    assert meta.num_splits == 64 and meta.tokens_per_split % 128 == 0
-    assert meta.num_splits * meta.tokens_per_split >= 32768
+    assert meta.num_splits == 32 and meta.tokens_per_split == 1024
     meta = plan_attention(bt, [8192], [1], page_size=16, num_sms=132, num_kv_heads=8)
-    assert meta.num_splits == 64 and meta.tokens_per_split == 128
+    assert meta.num_splits == 32 and meta.tokens_per_split == 256
+    # 8 sequences (64 groups) keep the 4-wave plan and the merge launch.
+    assert choose_num_splits(8, 8192, num_kv_heads=8, num_sms=132) == 8
     meta = plan_attention(bt, [8192], [1], page_size=16, num_sms=132, num_kv_heads=8,
-                          split_policy=SplitPolicy(align=64, max_splits=128))
+                          split_policy=SplitPolicy(align=64, max_splits=128, fused_waves=4.0))
     assert meta.num_splits == 64 and meta.tokens_per_split == 128
     meta = plan_attention(bt, torch.tensor([100], dtype=torch.int32), [1], page_size=16)
     assert meta.max_seq_len == 100 and meta.seq_lens_host == [100] and meta.num_splits == 1
@@ -357,6 +361,9 @@ def test_kernel_config_tiles_follow_the_grid():
     # Decode merges its splits in the same launch, 32 splits per merge tile at GQA 4, d 128;
     # verify keeps the merge launch.
     assert dec["FUSED_REDUCE"] and dec["RED_CHUNK"] == 32
+    # ... only decode of few groups (batch 1-2 at 8 KV heads): more merge in a second launch.
+    assert kernel_config(4, 128, 1, 128, programs=256, groups=16)["FUSED_REDUCE"]
+    assert not kernel_config(4, 128, 1, 1024, programs=512, groups=64)["FUSED_REDUCE"]
     assert not one_wave["FUSED_REDUCE"] and not many["FUSED_REDUCE"]
     # Bulk page copies: verify-sized queries over <= 3 programs per SM (batch 1) only.
     assert kernel_config(4, 128, 16, 256, programs=272, num_sms=132)["TMA_STAGES"] == 8
