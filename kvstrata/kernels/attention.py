@@ -17,7 +17,10 @@ Two query modes share one kernel family:
   and bidirectionally to all ``q_len_s`` tokens of its own block, whose K/V is scratch.
 
 :func:`paged_attention_ref` is the plain-torch oracle (and the CPU path); the Triton kernels live in
-:mod:`kvstrata.kernels.attention_triton`.
+:mod:`kvstrata.kernels.attention_triton`. Batch-1 decode on an sm_90 GPU (bf16, 128-dim heads,
+16-token pages, contexts up to 32k) runs :func:`kvstrata.kernels.decode_segment.decode_attention`
+instead: one CUDA launch, 1 x 8k 20.8 us against 21.9 for the Triton kernel (docs/benchmarks.md,
+"Paged attention").
 """
 
 from __future__ import annotations
@@ -140,7 +143,9 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMeta
         sm_scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: optional window in tokens (see the module docstring for each mode).
         block_kv: ``(k, v)``, each ``[num_q_tokens, num_kv_heads, head_dim]``: DFlash block mode.
-        impl: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+        impl: ``"auto"`` (Triton on CUDA, torch on CPU; batch-1 decode on an sm_90 GPU: the
+            CUDA kernel of :func:`~.decode_segment.decode_attention_ok`), ``"triton"`` or
+            ``"torch"``.
 
     Returns:
         ``[num_q_tokens, num_q_heads, head_dim]`` in ``q.dtype``. GQA:
@@ -153,8 +158,12 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMeta
     if impl == "torch" or (impl == "auto" and q.device.type != "cuda"):
         return paged_attention_ref(q, kv_cache, layer, meta, sm_scale=sm_scale,
                                    sliding_window=sliding_window, block_kv=block_kv)
-    from .attention_triton import paged_attention_triton
     check_attention_args(q, kv_cache, layer, meta, block_kv)
+    if block_kv is None:
+        from .decode_segment import decode_attention, decode_attention_ok
+        if decode_attention_ok(q, kv_cache, meta, sliding_window, impl):
+            return decode_attention(q, kv_cache, layer, meta, sm_scale=sm_scale)
+    from .attention_triton import paged_attention_triton
     return paged_attention_triton(q, kv_cache, layer, meta, sm_scale=sm_scale,
                                   sliding_window=sliding_window, block_kv=block_kv)
 

@@ -1,5 +1,8 @@
 """Batch-1 decode: attention and the o_proj product in one persistent launch (Hopper, CUDA C++).
 
+(:func:`decode_attention` is phases 2-3 alone: batch-1 decode attention in one launch, what
+:func:`~.attention.paged_attention` runs for it on such a GPU.)
+
 At batch 1 a decoder layer's attention reads ~1 MB of K/V per 1k tokens and takes ~12 us in a
 step, nearly all latency, and o_proj (``gemv_add_norm``) cannot start streaming its weights until
 attention is done: Triton cannot keep weights in shared memory across a PDL wait, and attention's
@@ -67,6 +70,11 @@ VARIANT = (SMEM_ROWS, 0, 2, 1)
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
 _LOG2E = math.log2(math.e)
+#: :func:`decode_attention` serves contexts up to this many tokens; longer ones keep the Triton
+#: kernel (32 splits per KV head where this kernel has 16). H200, one layer, cold L2, graph
+#: replay, us, this kernel / Triton: 1k 12.1 / 13.6, 8k 20.8 / 21.9, 16k 31.7 / 33.2, 32k 50.2 /
+#: 50.8, 64k 88.7 / 84.9 (docs/benchmarks.md, "Paged attention").
+ATTENTION_MAX_CONTEXT = 32768
 
 _SOURCE = r"""
 #define NKV %(nkv)d
@@ -79,6 +87,7 @@ _SOURCE = r"""
 #define RLATE %(rlate)d
 #define PDL %(pdl)d
 #define STAMPS %(stamps)d
+#define ATTN_ONLY %(attn_only)d
 #define NW 8
 #define ROWS (RPW * NW)
 %(prelude)s
@@ -208,6 +217,10 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 #define LOAD_RES() _Pragma("unroll") for (int rr = 0; rr < RPW; ++rr) { \
         rres[rr] = bf(res[c * ROWS + warp + rr * NW]); \
         rgam[rr] = bf(gam[c * ROWS + warp + rr * NW]); }
+#if ATTN_ONLY
+#undef LOAD_RES
+#define LOAD_RES()
+#endif
 #if !PDL
     LOAD_RES()
 #endif
@@ -315,6 +328,9 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
         xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
     STAMP(3)
+#if ATTN_ONLY
+    return;   // xbuf is the attention output [NKV * GROUP, 128]
+#endif
     grid_barrier(ctr);
     STAMP(4)
 
@@ -385,18 +401,19 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pdl: int = 0, stamps: bool = False) -> str:
+           rlate: int = 2, pdl: int = 0, stamps: bool = False, attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
     read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
     dependent launch, the first page's loads issued before the wait; ``stamps``: per-block
-    phase timestamps, ``benchmarks/segment_proto.py``)."""
+    phase timestamps, ``benchmarks/segment_proto.py``; ``attn_only``: phases 2-3 alone, the
+    merged attention written to ``xbuf``, :func:`decode_attention`)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
                       "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
-                      "stamps": int(stamps)}
+                      "stamps": int(stamps), "attn_only": int(attn_only)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
@@ -405,17 +422,17 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          pdl: int, stamps: bool) -> tuple[str, int]:
+          pdl: int, stamps: bool, attn_only: bool = False) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps), rs
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps, attn_only), rs
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, rlate: int, pdl: int, stamps: bool) -> Kernel:
-    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps)
+            rreg: int, rlate: int, pdl: int, stamps: bool, attn_only: bool = False) -> Kernel:
+    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps, attn_only)
     with torch.cuda.device(device):
         return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
 
@@ -443,15 +460,14 @@ def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int)
                     "batch-1 decode keeps the Triton attention + o_proj launches")
 
 
-def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
-                      bias: Tensor | None, sliding_window: int | None) -> bool:
-    """The shapes the kernel takes (any device): one causal query of one sequence, bf16 ``q [1,
-    Hq, 128]`` (heads 128 apart) and a contiguous pool ``[pages, layers, 2, Hkv, 16, 128]``,
-    Hkv dividing 128 with at most 8 query heads each, a contiguous o_proj weight ``[N, Hq *
-    128]`` with ``Hq * 128 <= 4096`` a multiple of 256 and ``N`` a multiple of 1024 up to 4096,
-    no bias, no sliding window."""
+def attention_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                        sliding_window: int | None) -> bool:
+    """The attention the kernel takes (any device): one causal query of one sequence, bf16 ``q
+    [1, Hq, 128]`` (heads 128 apart) over a contiguous pool ``[pages, layers, 2, Hkv, 16,
+    128]``, Hkv dividing 128 with at most 8 query heads each and ``Hq * 128 <= 4096`` a
+    multiple of 256, no sliding window."""
     if (meta.num_seqs != 1 or meta.max_query_len != 1 or not meta.causal
-            or sliding_window is not None or bias is not None):
+            or sliding_window is not None):
         return False
     if (q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != 128 or q.dtype != torch.bfloat16
             or q.stride(2) != 1 or q.stride(1) != 128):
@@ -461,10 +477,21 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
             or kv_cache.shape[2] != 2 or kv_cache.shape[4] != 16 or kv_cache.shape[5] != 128):
         return False
     hkv = kv_cache.shape[3]
-    if BLOCKS % hkv or hq % hkv or hq // hkv > 8:
+    return (BLOCKS % hkv == 0 and hq % hkv == 0 and hq // hkv <= 8 and hq * 128 % 256 == 0
+            and hq * 128 <= 4096)
+
+
+def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
+                      bias: Tensor | None, sliding_window: int | None) -> bool:
+    """The shapes the kernel takes (any device): one causal query of one sequence, bf16 ``q [1,
+    Hq, 128]`` (heads 128 apart) and a contiguous pool ``[pages, layers, 2, Hkv, 16, 128]``,
+    Hkv dividing 128 with at most 8 query heads each, a contiguous o_proj weight ``[N, Hq *
+    128]`` with ``Hq * 128 <= 4096`` a multiple of 256 and ``N`` a multiple of 1024 up to 4096,
+    no bias, no sliding window."""
+    if bias is not None or not attention_shapes_ok(q, kv_cache, meta, sliding_window):
         return False
     n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    return (k == hq * 128 and k % 256 == 0 and k <= 4096 and n % 1024 == 0 and 0 < n <= 4096
+    return (k == q.shape[1] * 128 and n % 1024 == 0 and 0 < n <= 4096
             and weight.dtype == torch.bfloat16 and weight.is_contiguous())
 
 
@@ -504,4 +531,52 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     return out, h, RowRms(ss, n, eps)
 
 
-__all__ = ["SEGMENT_ENV", "decode_segment", "decode_segment_ok", "segment_shapes_ok"]
+def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                        sliding_window: int | None, impl: str = "auto") -> bool:
+    """Whether :func:`decode_attention` serves this call: ``impl="auto"`` on an sm_90 GPU with
+    >= 128 SMs (``KVSTRATA_DECODE_SEGMENT`` not ``0``), a plan of at most
+    :data:`ATTENTION_MAX_CONTEXT` tokens, for the shapes :func:`attention_shapes_ok` takes."""
+    if not (enabled(impl, q.device, SEGMENT_ENV, "1") and meta.max_seq_len
+            <= ATTENTION_MAX_CONTEXT and attention_shapes_ok(q, kv_cache, meta, sliding_window)):
+        return False
+    hkv = kv_cache.shape[3]
+    return _attn_compiled(q.device, hkv, q.shape[1] // hkv)
+
+
+def _attn_kernel(device: torch.device, nkv: int, group: int) -> Kernel:
+    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS, 0, 0, 2, 0, False,
+                   True)
+
+
+@functools.lru_cache(maxsize=None)
+def _attn_compiled(device: torch.device, nkv: int, group: int) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group),
+                    f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
+                    f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
+
+
+def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
+                     sm_scale: float) -> Tensor:
+    """Batch-1 decode attention in one launch, where :func:`decode_attention_ok` holds: the
+    segment's attention and merge (phases 1-3 above) without o_proj: 128 blocks, one (KV
+    head, split) each, a grid barrier, then one block per query head merges the splits.
+    Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
+    summation order."""
+    hq, hkv = q.shape[1], kv_cache.shape[3]
+    dev = q.device
+    kern = _attn_kernel(dev, hkv, hq // hkv)
+    splits = BLOCKS // hkv
+    part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
+    part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
+    out = torch.empty((1, hq, 128), dtype=torch.bfloat16, device=dev)
+    s = kv_cache.stride()
+    null = ctypes.c_void_p(0)   # o_proj's operands: never read or written in this mode
+    kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
+          ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, null, null, null, null, null,
+          null, part_o, part_lse, out, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
+          null])
+    return out
+
+
+__all__ = ["SEGMENT_ENV", "attention_shapes_ok", "decode_attention", "decode_attention_ok",
+           "decode_segment", "decode_segment_ok", "segment_shapes_ok"]

@@ -80,6 +80,19 @@ def test_decode_segment_compiles(shape):
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
 
 
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_decode_attention_alone_compiles(shape):
+    """``decode_attention``'s build: phases 2-3 only (no o_proj rows, no second barrier)."""
+    nkv, group = shape[:2]
+    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0, False,
+                       True)
+    assert rs == 0 and "#define ATTN_ONLY 1" in src
+    ptx, log = _compile(src, "90")
+    _check((ptx, log), "decode_segment", ds.WARPS * 32)
+    assert ptx.count("bar.sync") <= _compile(ds.build(*shape, *ds.VARIANT, False)[0],
+                                             "90")[0].count("bar.sync")
+
+
 @pytest.mark.parametrize("switches", [(24, 1, 0, 1, True), (16, 0, 1, 0, False),
                                       (0, 0, 2, 0, False)])
 def test_decode_segment_benchmark_switches_compile(switches):

@@ -66,6 +66,19 @@ def test_shapes_it_takes_and_refuses():
     assert not ds.segment_shapes_ok(q, kv, two, w, None, None)
 
 
+def test_attention_alone_shapes():
+    """The attention-only launch takes what the segment takes, less the o_proj operands."""
+    q, kv, meta, w, res, gam = _case("cpu", 100)
+    assert ds.attention_shapes_ok(q, kv, meta, None)
+    assert not ds.decode_attention_ok(q, kv, meta, None)      # the CPU never runs it
+    for why, args in {
+            "two queries": (q, kv, dataclasses.replace(meta, max_query_len=2), None),
+            "sliding window": (q, kv, meta, 64), "fp16 q": (q.half(), kv, meta, None),
+            "page of 32": (q, kv.reshape(-1, 2, 2, 8, 32, 128), meta, None),
+            "16 query heads per KV head": (q, kv[:, :, :, :2].contiguous(), meta, None)}.items():
+        assert not ds.attention_shapes_ok(*args), why
+
+
 def test_shared_memory_fits_a_hopper_block():
     for group, k in ((4, 4096), (8, 4096), (2, 2048), (1, 256)):
         assert ds.smem_bytes(group, k, ds.SMEM_ROWS) <= 227 * 1024
@@ -123,6 +136,46 @@ def test_cuda_graph_replay_equals_eager_bit_for_bit(mark):
     graph_replay_equals_eager(lambda m: _segment(q, kv, 1, m, w, res, gam), meta)
 
 
+@pytest.mark.parametrize("ctx", [1, 5, 16, 17, 255, 1000, 4097, 8192, 70001])
+@pytest.mark.parametrize("shape", [(32, 8), (16, 8), (8, 2)])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_attention_alone_equals_the_triton_kernel(ctx, shape, mark, monkeypatch):
+    """``paged_attention`` at batch-1 decode runs the one-launch CUDA kernel (``impl="auto"``)
+    and matches the Triton kernel and a float32 reference; NaN past the sequence is ignored;
+    plans longer than ``ATTENTION_MAX_CONTEXT`` keep the Triton kernel."""
+    monkeypatch.setenv(ds.SEGMENT_ENV, "1")
+    hq, hkv = shape
+    q, kv, meta, *_ = _case("cuda", ctx, hq, hkv, seed=ctx)
+    if ctx % 16:
+        kv[meta.block_tables[0, ctx // 16].item(), :, :, :, ctx % 16:] = float("nan")
+    served = ctx <= ds.ATTENTION_MAX_CONTEXT
+    assert ds.decode_attention_ok(q, kv, meta, None) == served
+    calls = []
+    real = ds.decode_attention
+    monkeypatch.setattr(ds, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    via = paged_attention(q, kv, 1, meta, sm_scale=128 ** -0.5)
+    assert calls == ([1] if served else [])
+    got = via if served else real(q, kv, 1, meta, sm_scale=128 ** -0.5)   # the kernel alone
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    tri = paged_attention(q, kv, 1, meta, sm_scale=128 ** -0.5, impl="triton")
+    assert calls == ([1] if served else [])
+    ref = paged_attention(q.float(), kv.float(), 1, meta, sm_scale=128 ** -0.5, impl="torch")
+    assert torch.isfinite(got).all()
+    err, terr = (got.float() - ref).abs().max().item(), (tri.float() - ref).abs().max().item()
+    assert err <= max(2 * terr, 4e-3), (err, terr)
+    torch.testing.assert_close(got.float(), tri.float(), atol=8e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
+def test_cuda_attention_alone_graph_replay_equals_eager(mark):
+    q, kv, meta, *_ = _case("cuda", 3000)
+
+    def run(m):
+        o = ds.decode_attention(q, kv, 1, m, sm_scale=128 ** -0.5)
+        return o, o
+    graph_replay_equals_eager(run, meta)
+
+
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_switch_turns_it_off(mark, monkeypatch):
     monkeypatch.setenv(ds.SEGMENT_ENV, "1")
@@ -131,6 +184,7 @@ def test_cuda_switch_turns_it_off(mark, monkeypatch):
     assert not ds.decode_segment_ok(q, kv, meta, w, None, None, impl="triton")
     monkeypatch.setenv(ds.SEGMENT_ENV, "0")
     assert not ds.decode_segment_ok(q, kv, meta, w, None, None)
+    assert not ds.decode_attention_ok(q, kv, meta, None)
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
