@@ -72,8 +72,8 @@ VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
 _LOG2E = math.log2(math.e)
 #: :func:`decode_attention` serves contexts up to this many tokens; longer ones keep the Triton
 #: kernel (32 splits per KV head where this kernel has 16). H200, one layer, cold L2, graph
-#: replay, us, this kernel / Triton: 1k 12.1 / 13.6, 8k 20.8 / 21.9, 16k 31.7 / 33.2, 32k 50.2 /
-#: 50.8, 64k 88.7 / 84.9 (docs/benchmarks.md, "Paged attention").
+#: replay, us, this kernel / Triton: 1k 11.9 / 13.6, 8k 20.5 / 21.9, 16k 31.6 / 33.2, 32k 50.6 /
+#: 50.8, 64k 89.1 / 84.9 (docs/benchmarks.md, thirtieth runner session).
 ATTENTION_MAX_CONTEXT = 32768
 
 _SOURCE = r"""
