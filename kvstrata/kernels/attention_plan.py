@@ -32,9 +32,9 @@ SPLIT_ALIGN = 128
 #: Decode launches of at most this many (sequence, query block, KV head) groups merge their
 #: splits in the same launch (``kernel_config``'s ``FUSED_REDUCE``) over a grid of
 #: ``SplitPolicy.fused_waves`` programs per SM; larger ones merge in a second launch. H200, one
-#: layer, cold L2, graph replay, us (docs/benchmarks.md, "Decode attention: the merge by grid
-#: size"): 1 x 8k fused 32 splits 22.2 against 23.3 for two launches; 8 x 32k (64 groups) fused
-#: 284.8 against 259.7, 32 x 8k (256 groups) 286.1 against 260.2.
+#: layer, cold L2, graph replay, us (docs/benchmarks.md, thirtieth runner session): 1 x 8k
+#: fused with 32 splits 22.2 against 23.3 for two launches; 8 x 32k (64 groups) fused 284.8
+#: against 259.7, 32 x 8k (256 groups) 286.1 against 260.2.
 FUSED_MERGE_GROUPS = 16
 
 

@@ -558,7 +558,7 @@ def _attn_compiled(device: torch.device, nkv: int, group: int) -> bool:
 def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
                      sm_scale: float) -> Tensor:
     """Batch-1 decode attention in one launch, where :func:`decode_attention_ok` holds: the
-    segment's attention and merge (phases 1-3 above) without o_proj: 128 blocks, one (KV
+    segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
     summation order."""
