@@ -544,8 +544,9 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
 
 
 def _attn_kernel(device: torch.device, nkv: int, group: int) -> Kernel:
-    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS, 0, 0, 2, 0, False,
-                   True)
+    """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4)."""
+    return _kernel(device, nkv, group, k_in=nkv * group * 128, n_out=BLOCKS * WARPS, rs=0,
+                   rreg=0, rlate=2, pdl=0, stamps=False, attn_only=True)
 
 
 @functools.lru_cache(maxsize=None)
