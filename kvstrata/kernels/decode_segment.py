@@ -13,9 +13,11 @@ both as one launch of 128 blocks, one per SM, all resident (a cooperative launch
    (they depend on nothing) once its warp 0 has issued the loads of its last K/V page (issued
    among the pages they slowed the pages at 8k: docs/benchmarks.md, twentieth runner session);
 2. each block computes one (KV head, split) of split-KV attention (``128 / num_kv_heads`` splits
-   per head; 8 warps over the split's pages, a half-warp per token, the next page's K/V loaded
-   while one is computed, online softmax in float32) and stores the split's normalised partial
-   and its log-sum-exp (base 2);
+   per head; 8 warps over the split's pages, the next page's K/V loaded while one is computed,
+   each page's two products on tensor cores (``mma`` m16n8k16: K q^T with the tokens as rows
+   and the query heads as columns, then V^T P^T, P rounded to bf16 as the Triton kernel rounds
+   it), online softmax in float32) and stores the split's normalised partial and its
+   log-sum-exp (base 2);
 3. a grid barrier; blocks 0 .. num_q_heads-1 merge one query head each into the bf16 attention
    output; a second grid barrier;
 4. each block multiplies its ``N / 128`` o_proj rows (``RS`` from shared memory, the rest from
@@ -72,8 +74,8 @@ VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
 _LOG2E = math.log2(math.e)
 #: :func:`decode_attention` serves contexts up to this many tokens; longer ones keep the Triton
 #: kernel (32 splits per KV head where this kernel has 16). H200, one layer, cold L2, graph
-#: replay, us, this kernel / Triton: 1k 11.9 / 13.6, 8k 20.5 / 21.9, 16k 31.6 / 33.2, 32k 50.6 /
-#: 50.8, 64k 89.1 / 84.9 (docs/benchmarks.md, thirtieth runner session).
+#: replay, us, this kernel / Triton: 1k 9.9 / 13.3, 8k 19.7 / 22.1, 16k 30.1 / 33.0, 32k 47.3 /
+#: 50.8 (docs/benchmarks.md, thirty-first runner session).
 ATTENTION_MAX_CONTEXT = 32768
 
 _SOURCE = r"""
@@ -102,72 +104,84 @@ __device__ __forceinline__ void start_rows(const bf16_t* src_rows, unsigned char
         bulk_copy(sa(smem + off), src + off, min(RS * K_IN * 2 - off, 16384), bar);
 }
 
-// One 16-token page of K and V: a half-warp per token, 8 dims per lane.
-__device__ __forceinline__ void load_page(const bf16_t* kp, long long s_kv, int half, int li,
+#define VW(v, w) ((w) == 0 ? (v).x : (w) == 1 ? (v).y : (w) == 2 ? (v).z : (v).w)
+// One 16-token page of K and V as the warp's tensor-core products take it (lane = 4 r + t):
+// K rows r and r + 8, dims 32 i + 8 t .. + 7 (i = 0..3: the products' k order, which q's
+// registers share); V rows 2t, 2t + 1, 2t + 8, 2t + 9 (j = 0..3), dims 64 hh + 8 r .. + 7.
+__device__ __forceinline__ void load_page(const bf16_t* kp, long long s_kv, int r, int t,
                                           v4* kr, v4* vr) {
     const bf16_t* vp = kp + s_kv;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        kr[i] = *(const v4*)(kp + (2 * i + half) * 128 + 8 * li);
-        vr[i] = *(const v4*)(vp + (2 * i + half) * 128 + 8 * li);
+    for (int i = 0; i < 4; ++i) {
+        kr[i] = *(const v4*)(kp + r * 128 + 32 * i + 8 * t);
+        kr[4 + i] = *(const v4*)(kp + (r + 8) * 128 + 32 * i + 8 * t);
     }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+            vr[2 * j + hh] = *(const v4*)(vp + (2 * t + (j & 1) + 8 * (j >> 1)) * 128
+                                          + 64 * hh + 8 * r);
 }
 
-// The online-softmax update of one page (tokens >= hi masked: their V rows are zeroed, as a
-// page's tokens past the sequence may hold anything, NaN too) for the GROUP query heads.
-__device__ __forceinline__ void attend_page(const v4* kr, v4* vr, int p, int hi, int half,
-                                            const float (&qr)[GROUP][8], float* m, float* l,
-                                            float (&acc)[GROUP][8]) {
+// The online-softmax update of one page on tensor cores: S^T = K q^T (rows: tokens r, r + 8;
+// columns: query heads 2t, 2t + 1, those past GROUP zero), the column maxima across the lanes
+// of equal t, P^T rearranged by shuffles into the second product's operand, O^T += V^T P^T
+// (rows: dims 64 hh + 8 r + 2 w and + 1 of acc[4 hh + w]). Tokens >= hi are masked and their
+// V rows zeroed (a page's tokens past the sequence may hold anything, NaN too).
+__device__ __forceinline__ void attend_page(const v4* kr, v4* vr, int p, int hi, int r, int t,
+                                            const v4* qv, float qk_scale, float* m, float* l,
+                                            float (&acc)[8][4]) {
     const unsigned FULL = 0xffffffffu;
-    float s[GROUP][8];
+    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float kf[8];
-        unpack8(kr[i], kf);
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float d = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) d = fmaf(qr[g][j], kf[j], d);
-            s[g][i] = d;
-        }
+    for (int i = 0; i < 4; ++i) {
+        mma_bf16(sa, kr[i].x, kr[4 + i].x, kr[i].y, kr[4 + i].y, qv[i].x, qv[i].y);
+        mma_bf16(sb, kr[i].z, kr[4 + i].z, kr[i].w, kr[4 + i].w, qv[i].z, qv[i].w);
     }
+    const bool ok0 = p * 16 + r < hi, ok1 = p * 16 + r + 8 < hi;
+    float sv[4];
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1)
-#pragma unroll
-        for (int g = 0; g < GROUP; ++g)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s[g][i] += __shfl_xor_sync(FULL, s[g][i], off);
-    bool ok[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) ok[i] = p * 16 + 2 * i + half < hi;
+    for (int e = 0; e < 4; ++e)
+        sv[e] = (e < 2 ? ok0 : ok1) ? (sa[e] + sb[e]) * qk_scale : NEG_INF;
     if (p * 16 + 16 > hi) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (!ok[i]) vr[i] = v4{0u, 0u, 0u, 0u};
+        for (int j = 0; j < 4; ++j)
+            if (p * 16 + 2 * t + (j & 1) + 8 * (j >> 1) >= hi) {
+                vr[2 * j] = v4{0u, 0u, 0u, 0u};
+                vr[2 * j + 1] = v4{0u, 0u, 0u, 0u};
+            }
     }
+    float pr[4], alpha[2];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        float mx = NEG_INF;
+    for (int c = 0; c < 2; ++c) {
+        float mx = fmaxf(sv[c], sv[2 + c]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) if (ok[i]) mx = fmaxf(mx, s[g][i]);
-        const float mn = fmaxf(m[g], mx);
-        const float ms = mn == NEG_INF ? 0.f : mn;
-        const float alpha = exp2f(m[g] - ms);
-        float pr[8], ps = 0.f;
+        for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+        const float mn = fmaxf(m[c], mx), ms = mn == NEG_INF ? 0.f : mn;
+        alpha[c] = exp2f(m[c] - ms);
+        pr[c] = exp2f(sv[c] - ms);
+        pr[2 + c] = exp2f(sv[2 + c] - ms);
+        l[c] = l[c] * alpha[c] + pr[c] + pr[2 + c];
+        m[c] = mn;
+    }
+    // P^T's operand: this lane's column r (query head), rows (tokens) 2t, 2t + 1 and + 8
+    const u32 plo = pack_bf(pr[0], pr[1]), phi = pack_bf(pr[2], pr[3]);
+    const int src = 8 * t + (r >> 1);
+    const u32 sel = (r & 1) ? 0x7632u : 0x5410u;
+    const u32 b0 = __byte_perm(__shfl_sync(FULL, plo, src), __shfl_sync(FULL, plo, src + 4), sel);
+    const u32 b1 = __byte_perm(__shfl_sync(FULL, phi, src), __shfl_sync(FULL, phi, src + 4), sel);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) { pr[i] = ok[i] ? exp2f(s[g][i] - ms) : 0.f; ps += pr[i]; }
-        l[g] = l[g] * alpha + ps;
+    for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] *= alpha;
-        m[g] = mn;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            float vf[8];
-            unpack8(vr[i], vf);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(pr[i], vf[j], acc[g][j]);
+        for (int w = 0; w < 4; ++w) {
+            float* d = acc[4 * hh + w];
+            d[0] *= alpha[0]; d[1] *= alpha[1]; d[2] *= alpha[0]; d[3] *= alpha[1];
+            const u32 ta = VW(vr[hh], w), tb = VW(vr[2 + hh], w);
+            const u32 tc = VW(vr[4 + hh], w), td = VW(vr[6 + hh], w);
+            mma_bf16(d, __byte_perm(ta, tb, 0x5410u), __byte_perm(ta, tb, 0x7632u),
+                     __byte_perm(tc, td, 0x5410u), __byte_perm(tc, td, 0x7632u), b0, b1);
         }
-    }
 }
 
 // The merged attention output of query head qh, dim d: the SPLITS partials' weighted mean.
@@ -208,7 +222,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     float* ssw = red_l + NW * GROUP;                                    // [NW]
     u64* bar = (u64*)(ssw + NW);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int half = lane >> 4, li = lane & 15;
     const int c = blockIdx.x;
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
@@ -231,11 +244,17 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     int T = (L + SPLITS - 1) / SPLITS;
     T = (T + 15) & ~15;
     const int lo = sidx * T, hi = min(lo + T, L);
-    float qr[GROUP][8], m[GROUP], l[GROUP], acc[GROUP][8];
-#define LOAD_Q() _Pragma("unroll") for (int g = 0; g < GROUP; ++g) { \
-        unpack8(*(const v4*)(q + (size_t)(GROUP * h + g) * 128 + 8 * li), qr[g]); \
-        _Pragma("unroll") for (int j = 0; j < 8; ++j) { qr[g][j] *= qk_scale; acc[g][j] = 0.f; } \
-        m[g] = NEG_INF; l[g] = 0.f; }
+    const int r4 = lane >> 2, t4 = lane & 3;
+    v4 qv[4];
+    float m[2], l[2], acc[8][4];
+#define LOAD_Q() _Pragma("unroll") for (int i = 0; i < 4; ++i) \
+        qv[i] = r4 < GROUP ? *(const v4*)(q + (size_t)(GROUP * h + r4) * 128 + 32 * i + 8 * t4) \
+                           : v4{0u, 0u, 0u, 0u}; \
+    _Pragma("unroll") for (int i = 0; i < 8; ++i) \
+        _Pragma("unroll") for (int e = 0; e < 4; ++e) acc[i][e] = 0.f; \
+    m[0] = m[1] = NEG_INF; l[0] = l[1] = 0.f;
+#define LOAD_PAGE(ptr, K, V) load_page(ptr, s_kv, r4, t4, K, V)
+#define ATTEND(pg) attend_page(kr, vr, pg, hi, r4, t4, qv, qk_scale, m, l, acc)
 #if !PDL
     LOAD_Q()
 #endif
@@ -249,7 +268,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     // previous kernel's K/V write); q and the residual after it
     const bool early = !PDL || p0 != (L - 1) / 16;
 #define LOAD_PAGE0() \
-    load_page(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, s_kv, half, li, kr, vr)
+    LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, 0) * s_page, kr, vr)
     if (npw > 0 && early) LOAD_PAGE0();
     GDC_WAIT();
 #if PDL
@@ -266,32 +285,31 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         const int k1 = k + 1;
         if (k1 < npw) {
             if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * NW] : 0;
-            load_page(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, s_kv, half,
-                      li, kn, vn);
+            LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, kn, vn);
             if (RLATE == 2 && tid == 0 && k1 == npw - 1)
                 start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
         }
-        attend_page(kr, vr, p0 + k * NW, hi, half, qr, m, l, acc);
+        ATTEND(p0 + k * NW);
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
     }
     if (tid == 0 && RLATE == 1) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
-    // the two half-warps' states, then the warps' through shared memory
+    // each lane's column sums cover its own tokens: summed across the lanes of equal t; the
+    // warp's state into shared memory
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        const float mo = __shfl_xor_sync(FULL, m[g], 16), lo2 = __shfl_xor_sync(FULL, l[g], 16);
-        const float mn = fmaxf(m[g], mo), ms = mn == NEG_INF ? 0.f : mn;
-        const float a = exp2f(m[g] - ms), b = exp2f(mo - ms);
-        l[g] = l[g] * a + lo2 * b;
+    for (int c = 0; c < 2; ++c) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-            acc[g][j] = acc[g][j] * a + __shfl_xor_sync(FULL, acc[g][j], 16) * b;
-        m[g] = mn;
-        if (half == 0) {
+        for (int off = 4; off < 32; off <<= 1) l[c] += __shfl_xor_sync(FULL, l[c], off);
+        const int g = 2 * t4 + c;
+        if (g < GROUP) {
+            float* dst = red + (warp * GROUP + g) * 128 + 8 * r4;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) red[(warp * GROUP + g) * 128 + 8 * li + j] = acc[g][j];
+            for (int i = 0; i < 8; ++i) {
+                dst[64 * (i >> 2) + 2 * (i & 3)] = acc[i][c];
+                dst[64 * (i >> 2) + 2 * (i & 3) + 1] = acc[i][2 + c];
+            }
+            if (r4 == 0) { red_m[warp * GROUP + g] = m[c]; red_l[warp * GROUP + g] = l[c]; }
         }
-        if (lane == 0) { red_m[warp * GROUP + g] = m[g]; red_l[warp * GROUP + g] = l[g]; }
     }
     __syncthreads();
     for (int o = tid; o < GROUP * 128; o += NW * 32) {
