@@ -76,8 +76,12 @@ DECODE_SHAPES = [(8, 4, 4096, 4096), (8, 2, 2048, 2048), (2, 4, 1024, 1024)]
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_decode_segment_compiles(shape):
+    """Each page's two attention products run on tensor cores: 8 ``mma`` for K q^T and 8 for
+    V^T P^T, in the loop body once (the page loop is not unrolled)."""
     src, _ = ds.build(*shape, *ds.VARIANT, False)
-    _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
+    ptx, log = _compile(src, "90")
+    _check((ptx, log), "decode_segment", ds.WARPS * 32)
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
