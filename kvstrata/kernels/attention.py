@@ -19,8 +19,8 @@ Two query modes share one kernel family:
 :func:`paged_attention_ref` is the plain-torch oracle (and the CPU path); the Triton kernels live in
 :mod:`kvstrata.kernels.attention_triton`. Batch-1 decode on an sm_90 GPU (bf16, 128-dim heads,
 16-token pages, contexts up to 32k) runs :func:`kvstrata.kernels.decode_segment.decode_attention`
-instead: one CUDA launch, 1 x 8k 20.5 us against 21.9 for the Triton kernel (docs/benchmarks.md,
-thirtieth runner session).
+instead: one CUDA launch, its page products on tensor cores, 1 x 8k 19.7 us against 22.1 for
+the Triton kernel (docs/benchmarks.md, thirty-first runner session).
 """
 
 from __future__ import annotations
