@@ -78,8 +78,10 @@ class SplitPolicy:
                              f"{self.align}, {self.fine_min_tokens}, {self.min_tokens}")
         if (self.waves <= 0 or self.fused_waves <= 0 or self.max_splits < 1
                 or self.verify_fine_min_tokens < self.align):
-            raise ValueError(f"waves must be > 0 and max_splits >= 1, got {self.waves}, "
-                             f"{self.max_splits}")
+            raise ValueError(f"need waves > 0, fused_waves > 0, max_splits >= 1 and "
+                             f"verify_fine_min_tokens >= align, got {self.waves}, "
+                             f"{self.fused_waves}, {self.max_splits}, "
+                             f"{self.verify_fine_min_tokens} (align {self.align})")
 
 
 DEFAULT_SPLIT_POLICY = SplitPolicy()
