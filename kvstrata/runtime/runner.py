@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -193,6 +194,19 @@ def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
     return ladder[i] if i < len(ladder) else None
 
 
+def _inference(fn):
+    """``fn`` in ``torch.inference_mode``, entered once: called from inside it (``execute`` ->
+    ``decode`` -> ``submit``, or an engine already in it), ``fn`` runs as it is (each entry
+    costs ~2 us of host time, and a synchronous step's host time leaves the device idle)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return run
+
+
 @dataclass(slots=True, eq=False)
 class InFlight:
     """A decode step submitted to the device (:meth:`ModelRunner.submit`), in flight until
@@ -308,6 +322,7 @@ class ModelRunner:
         self._his, self._hbts, self._hos = (self._h_in.numpy(), self._h_bt.numpy(),
                                             self._h_out.numpy())
         self._hbt = self._hbts[0]         # the last staged slot's block tables
+        self._copy_views: dict[tuple[int, int], tuple] = {}
         # Which sequence's pages each staged block-table row holds, and how many (per slot): a
         # live sequence's page list only grows (KVCacheManager.reserve extends it), so a row
         # that keeps its sequence gets only its new pages written (8k tokens are 512 pages).
@@ -433,7 +448,7 @@ class ModelRunner:
         return all(it.decode and 1 <= it.n <= self.B and it.params.greedy
                    and not it.banned_rows for it in items)
 
-    @torch.inference_mode()
+    @_inference
     def execute(self, items: list[StepItem]) -> list[list[int]]:
         """Run one step; per item the produced tokens (decode: accepted drafts + the bonus
         token; prefill: ``[first token]`` when ``sample`` else ``[]``).
@@ -448,7 +463,7 @@ class ModelRunner:
         return self._general(items)
 
     # -- decode path ------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @_inference
     def decode(self, items: list[StepItem], pad_to: int | None = None) -> list[list[int]]:
         """The decode path: stage inputs, replay (or run) draft + verify, one D2H copy.
 
@@ -464,14 +479,14 @@ class ModelRunner:
                              f"{self.max_batch})")
         return b
 
-    @torch.inference_mode()
+    @_inference
     def submit(self, items: list[StepItem], pad_to: int | None = None) -> InFlight:
         """Start a decode step staged from the host (``items`` must pass :meth:`decode_ok`);
         :meth:`collect` waits for its tokens. Nothing waits for the device here."""
         b = self._batch(len(items), pad_to)
         return self._run(b, len(items), self._stage(items, b))
 
-    @torch.inference_mode()
+    @_inference
     def submit_next(self, prev: InFlight, rows: list[int], seq_ids: list,
                     max_lens: list[int]) -> InFlight:
         """Start the decode step that continues ``prev`` (the last submitted step, collected or
@@ -549,7 +564,8 @@ class ModelRunner:
             wev[1].record()
         self._stats["decode_steps"] += 1
         self._stats["graph_steps"] += int(use)
-        self._h_out[slot, :b].copy_(self.out[:b], non_blocking=True)
+        dst, src = self._copies(slot, b)[1]
+        dst.copy_(src, non_blocking=True)
         if self._done is not None:
             self._done[slot].record()
         h = self._last = self._uncollected[slot] = InFlight(b, n, slot, w, wev is not None)
@@ -573,6 +589,8 @@ class ModelRunner:
 
     def _stage_padding(self, hin, n: int, b: int) -> None:
         """Rows ``n..b`` of a staged step: padding (slot -1, length 0)."""
+        if n >= b:
+            return
         mb = self.max_batch
         hin[n:b] = -1
         hin[mb + n:mb + b] = 0
@@ -594,9 +612,19 @@ class ModelRunner:
             row_seq[i], row_pages[i] = seq, n
         self._hbt = hbt
 
+    def _copies(self, slot: int, b: int) -> tuple:
+        """A step's copies as (destination, source) views, made once per (slot, padded
+        batch): the staged inputs and block tables in, the output rows out."""
+        v = self._copy_views.get((slot, b))
+        if v is None:
+            v = self._copy_views[(slot, b)] = (
+                ((self._in, self._h_in[slot]), (self.block_tables[:b], self._h_bt[slot, :b])),
+                (self._h_out[slot, :b], self.out[:b]))
+        return v
+
     def _copy_in(self, slot: int, b: int) -> None:
-        self._in.copy_(self._h_in[slot], non_blocking=True)
-        self.block_tables[:b].copy_(self._h_bt[slot, :b], non_blocking=True)
+        for dst, src in self._copies(slot, b)[0]:
+            dst.copy_(src, non_blocking=True)
 
     def _assemble(self, b: int) -> None:
         """The step's first kernel: ``small`` (tokens, lengths, block lengths, split lengths)

@@ -212,9 +212,11 @@ class WidthPolicy:
     def best(self, b: int) -> int:
         """The width with the most expected tokens per millisecond at batch ``b`` (the widest
         while any width of ``b`` has no measured time)."""
+        if not self.adaptive:
+            return self.widths[0]
         p = self.acceptance()
         rates = [self.rate(b, w, p) for w in self.widths]
-        if not self.adaptive or any(r is None for r in rates):
+        if any(r is None for r in rates):
             return self.widths[0]
         return self.widths[int(np.argmax(rates))]
 
@@ -222,12 +224,13 @@ class WidthPolicy:
         """The width of the next step at batch ``b``: :meth:`best`, recomputed every
         ``decide_every`` steps of ``b``, unless a width not chosen is due to be explored
         (widest first)."""
+        if not self.adaptive:          # one width: nothing to decide or explore
+            w = self.chosen[b] = self.widths[0]
+            return w
         n = self._steps[b] = self._steps.get(b, 0) + 1
         w = self.chosen.get(b)
         if w is None or n % self.decide_every == 0:
             w = self.chosen[b] = self.best(b)
-        if not self.adaptive:
-            return w
         for x in self.widths:
             if x == w:
                 continue
