@@ -333,7 +333,7 @@ def batch_attn_sweep(b: int, ctx: int, bw: float, q_len: int = 16, layers: int =
     from kvstrata.kernels import attention_triton as at
     from kvstrata.kernels.attention_plan import DEFAULT_SPLIT_POLICY, choose_num_splits, \
         plan_attention
-    from kvstrata.runtime.runner import MIN_SPLIT_TOKENS
+    from kvstrata.runtime.config import MIN_SPLIT_TOKENS
     pages = -(-(ctx + q_len) // 16)
     kv = torch.randn((b * pages, layers, 2, 8, 16, 128), dtype=torch.bfloat16, device="cuda")
     bt = torch.arange(b * pages, dtype=torch.int32, device="cuda").view(b, pages)

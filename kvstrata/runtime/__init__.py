@@ -1,9 +1,8 @@
 """kvstrata.runtime: the speculative-decoding engine (``LLM``) and its target model."""
 
-from .config import CacheConfig
+from .config import CacheConfig, RunnerConfig
 from .engine import LLM
 from .outputs import RequestDelta, RequestOutput
-from .runner import RunnerConfig
 from .sampling import SamplingParams
 
 __all__ = ["CacheConfig", "LLM", "RequestDelta", "RequestOutput", "RunnerConfig",

@@ -22,11 +22,11 @@ from ..drafter import DFlashDrafter, DraftArena
 from ..pagepool.hashing import Namespace
 from ..pagepool.manager import KVCacheManager
 from ..pagepool.pool import PagePool
-from .config import CacheConfig, check_drafter_compat, plan_cache
+from .config import CacheConfig, RunnerConfig, check_drafter_compat, plan_cache
 from .core import EngineCore
 from .outputs import RequestOutput
 from .qwen3 import Qwen3Model
-from .runner import ModelRunner, RunnerConfig
+from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import DECODE, DONE, Request
 

@@ -38,7 +38,6 @@ eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/te
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import math
@@ -54,144 +53,18 @@ from ..kernels.attention_plan import (DEFAULT_SPLIT_POLICY, AttentionMetadata,
                                       choose_num_splits)
 from ..kernels.gemv import gemv_argmax
 from ..kernels.step_inputs import assemble_step_inputs, greedy_accept, step_positions
+from .config import (SPLIT_ALIGN, RunnerConfig, default_ladder, draft_block_mode,
+                     graph_batch_size, graphs_enabled, overlap_enabled)
 from .general import GeneralPath
 from .step import StepItem, StepTiming
 from .verify_width import WIDTHS_ENV, WidthPolicy, default_widths, parse_widths
 
-#: Environment switch: ``0``/``false``/``off`` turns CUDA graphs off, ``1``/``true``/``on`` on
-#: (overrides :attr:`RunnerConfig.cuda_graphs`).
-GRAPHS_ENV = "KVSTRATA_CUDA_GRAPHS"
-#: Environment switch of :attr:`RunnerConfig.overlap` (same values).
-OVERLAP_ENV = "KVSTRATA_OVERLAP"
-#: ``min_split_tokens`` is a multiple of this (every kernel tile divides it); so is a step's
-#: split length when a model has sliding-window layers (the kernel's window start needs its
-#: KV tile to divide the split length).
-_SPLIT_ALIGN = 128
-#: Otherwise a step's split length is a multiple of this: the longest context spreads over
-#: every split program of the graph's grid. H200, batch 1 at 1k in the runner's grid (split
-#: sweep, docs/benchmarks.md): 32-token splits took decode attention from 15.9 to 10.1 us
-#: per layer and verify-16 from 21.9 to 14.3 against 256-token splits.
+#: A step's split length is a multiple of this (of ``SPLIT_ALIGN`` with sliding-window
+#: layers): the longest context spreads over every split program of the graph's grid. H200,
+#: batch 1 at 1k in the runner's grid (split sweep, docs/benchmarks.md): 32-token splits took
+#: decode attention from 15.9 to 10.1 us per layer and verify-16 from 21.9 to 14.3 against
+#: 256-token splits.
 _SPLIT_STEP = 32
-#: Default :attr:`RunnerConfig.min_split_tokens`: the H200 split sweep (docs/benchmarks.md, issue
-#: 13) ran batch-1 decode and verify-16 at 8k fastest with 128-256-token splits (64 or 32 of
-#: them), against 21.9 / 23.9 us per layer with the 512-token splits the default policy chose.
-MIN_SPLIT_TOKENS = 256
-#: Environment switch of :attr:`RunnerConfig.draft_block` (``width`` or ``full``).
-DRAFT_BLOCK_ENV = "KVSTRATA_DRAFT_BLOCK"
-DRAFT_BLOCKS = ("width", "full")
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """Model runner settings.
-
-    Args:
-        cuda_graphs: capture the decode/verify/draft steps as CUDA graphs (CUDA only; the
-            ``KVSTRATA_CUDA_GRAPHS`` environment variable overrides it).
-        batch_sizes: the ladder of captured batch sizes (default :func:`default_ladder`); a
-            batch runs in the graph of the smallest size that holds it.
-        overlap: let the engine submit a decode step before it has read the previous step's
-            tokens (the device continues each sequence from the previous step's output), so
-            the host's work on step N (stops, text, commit, scheduling) runs while the device
-            computes step N + 1. ``None`` (default): on for CUDA devices, off on the CPU, where
-            nothing runs concurrently and the step submitted past a request's end would only
-            cost time. The ``KVSTRATA_OVERLAP`` environment variable overrides it.
-        timing: time the draft and verify stages with CUDA events (``LLM.stats()``
-            ``draft_s``/``target_s``); off by default, since reading events waits for them.
-        min_split_tokens: sizes the decode path's split-KV grids (a multiple of 128): the
-            graphs hold as many split programs as splits this long of ``max_seq_len`` need
-            (the plan policy's ``min_tokens``), and each step spreads the longest context of
-            the batch evenly over all of them, in multiples of 32 tokens (128 with
-            sliding-window layers), so short contexts run short splits
-            (``benchmarks/runner_bench.py --sweep``).
-        verify_widths: the verify widths (positions a speculative step verifies per sequence,
-            ``1 .. block_size``; 1 drafts nothing) captured per batch size; each step runs the
-            one with the most expected tokens per unit of device time (:mod:`.verify_width`).
-            ``None`` (default): the block, half and a quarter of it, 2 and 1 with CUDA graphs
-            (:func:`~.verify_width.default_widths`), the block without (nothing times the
-            widths then). One width pins it. The
-            ``KVSTRATA_VERIFY_WIDTHS`` environment variable (e.g. ``16`` or ``16,8,4``)
-            overrides it.
-        draft_block: the block the drafter runs at a verify width ``V`` below the block
-            ``B``: ``"width"`` (default) drafts ``[pending token, MASK x (V-1)]``, a block of
-            ``V`` rows, as a drafter with block size ``V`` would (the drafts the step reads;
-            ``V / B`` of the draft's rows); ``"full"`` drafts the whole block of ``B`` and the
-            verify step reads its first ``V - 1`` drafts. Greedy output is the same either way;
-            the drafts, and so the acceptance, can differ (the block's attention is
-            bidirectional). The ``KVSTRATA_DRAFT_BLOCK`` environment variable overrides it.
-    """
-
-    cuda_graphs: bool = True
-    batch_sizes: tuple[int, ...] | None = None
-    overlap: bool | None = None
-    timing: bool = False
-    min_split_tokens: int = MIN_SPLIT_TOKENS
-    verify_widths: tuple[int, ...] | None = None
-    draft_block: str = "width"
-
-    def __post_init__(self) -> None:
-        if self.draft_block not in DRAFT_BLOCKS:
-            raise ValueError(f"RunnerConfig.draft_block must be one of "
-                             f"{', '.join(DRAFT_BLOCKS)}, got {self.draft_block!r}")
-        if self.overlap is not None and not isinstance(self.overlap, bool):
-            raise ValueError(f"RunnerConfig.overlap must be True, False or None (by device), "
-                             f"got {self.overlap!r}")
-        m = self.min_split_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or m < _SPLIT_ALIGN or m % _SPLIT_ALIGN:
-            raise ValueError(f"RunnerConfig.min_split_tokens must be a positive multiple of "
-                             f"{_SPLIT_ALIGN}, got {m!r}")
-        if self.batch_sizes is not None:
-            object.__setattr__(self, "batch_sizes",
-                               tuple(sorted(set(self._positive_ints("batch_sizes")))))
-        if self.verify_widths is not None:     # their range needs the block: the runner checks
-            object.__setattr__(self, "verify_widths", self._positive_ints("verify_widths"))
-
-    def _positive_ints(self, name: str) -> tuple[int, ...]:
-        v = getattr(self, name)
-        vals = tuple(v)
-        if not vals or any(not isinstance(x, int) or isinstance(x, bool) or x < 1
-                           for x in vals):
-            raise ValueError(f"RunnerConfig.{name} must be positive integers, got {v!r}")
-        return vals
-
-
-def _switch(name: str, want: bool) -> bool:
-    """``want``, unless the environment variable ``name`` says on or off."""
-    env = os.environ.get(name)
-    if env is not None and env.strip():
-        v = env.strip().lower()
-        if v in ("0", "false", "off", "no"):
-            return False
-        if v in ("1", "true", "on", "yes"):
-            return True
-        raise ValueError(f"{name}={env!r}: use 0/false/off or 1/true/on")
-    return want
-
-
-def graphs_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
-    """Whether this runner captures CUDA graphs (config, then the environment switch)."""
-    return _switch(GRAPHS_ENV, cfg.cuda_graphs) and device.type == "cuda"
-
-
-def overlap_enabled(cfg: RunnerConfig, device: torch.device) -> bool:
-    """Whether the engine overlaps decode steps (config, default by device, then the
-    environment switch)."""
-    want = cfg.overlap if cfg.overlap is not None else device.type == "cuda"
-    return _switch(OVERLAP_ENV, want)
-
-
-def default_ladder(max_batch: int) -> tuple[int, ...]:
-    """Captured batch sizes: 1, 2, 4, 8, then every 16 up to ``max_batch`` (always included)."""
-    sizes = {s for s in (1, 2, 4, 8) if s < max_batch}
-    sizes.update(range(16, max_batch, 16))
-    sizes.add(max_batch)
-    return tuple(sorted(sizes))
-
-
-def graph_batch_size(ladder: tuple[int, ...], n: int) -> int | None:
-    """The smallest captured size holding ``n`` sequences (``None``: larger than any)."""
-    i = bisect.bisect_left(ladder, n)
-    return ladder[i] if i < len(ladder) else None
 
 
 def _inference(fn):
@@ -217,16 +90,6 @@ class InFlight:
     slot: int
     width: int = 1
     timed: bool = False
-
-
-def draft_block_mode(cfg: RunnerConfig) -> str:
-    """:attr:`RunnerConfig.draft_block`, unless ``KVSTRATA_DRAFT_BLOCK`` says otherwise."""
-    env = os.environ.get(DRAFT_BLOCK_ENV, "").strip().lower()
-    if not env:
-        return cfg.draft_block
-    if env not in DRAFT_BLOCKS:
-        raise ValueError(f"{DRAFT_BLOCK_ENV}={env!r}: use one of {', '.join(DRAFT_BLOCKS)}")
-    return env
 
 
 @dataclass(slots=True)
@@ -304,7 +167,7 @@ class ModelRunner:
         windowed = bool(target.config.sliding_windows and any(
             w is not None for w in target.config.sliding_windows)) or (
             drafter is not None and any(w is not None for w in drafter.cfg.layer_window))
-        self._split_step = _SPLIT_ALIGN if windowed else _SPLIT_STEP
+        self._split_step = SPLIT_ALIGN if windowed else _SPLIT_STEP
         self.block_tables = torch.zeros((mb, self.max_pages), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros((3, mb), dtype=torch.int32, device=dev)
         self.drafts = torch.zeros((mb, max(B - 1, 1)), dtype=torch.int64, device=dev)
@@ -402,7 +265,7 @@ class ModelRunner:
 
     def _split_len(self, longest: int, splits: int) -> int:
         """Tokens per split: ``longest`` spread evenly over ``splits`` programs, rounded up to
-        a multiple of ``_SPLIT_STEP`` (``_SPLIT_ALIGN`` with sliding-window layers)."""
+        a multiple of ``_SPLIT_STEP`` (``SPLIT_ALIGN`` with sliding-window layers)."""
         step = self._split_step
         return math.ceil(math.ceil(max(longest, 1) / splits) / step) * step
 
@@ -768,6 +631,4 @@ class ModelRunner:
         """The general path (:class:`~.general.GeneralPath`)."""
         return self.general.run(items)
 
-__all__ = ["DRAFT_BLOCK_ENV", "GRAPHS_ENV", "InFlight", "ModelRunner", "OVERLAP_ENV",
-           "RunnerConfig", "StepItem", "draft_block_mode", "graph_batch_size", "default_ladder",
-           "graphs_enabled", "overlap_enabled"]
+__all__ = ["InFlight", "ModelRunner", "StepItem"]

@@ -62,7 +62,7 @@ from __future__ import annotations
 import numpy as np
 
 #: ``KVSTRATA_VERIFY_WIDTHS``: the verify widths the runner captures, comma-separated (e.g.
-#: ``16`` pins the full block); overrides :attr:`~.runner.RunnerConfig.verify_widths`.
+#: ``16`` pins the full block); overrides :attr:`~.config.RunnerConfig.verify_widths`.
 WIDTHS_ENV = "KVSTRATA_VERIFY_WIDTHS"
 
 

@@ -12,7 +12,7 @@ import torch
 
 import tiny_dflash as td
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
-from kvstrata.runtime.runner import DRAFT_BLOCK_ENV
+from kvstrata.runtime.config import DRAFT_BLOCK_ENV
 from kvstrata.runtime.verify_width import WIDTHS_ENV
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (5, 11, 18)] + [

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvstrata.kernels.step_inputs import assemble_step_inputs_ref
 from kvstrata.runtime import LLM, RunnerConfig, SamplingParams
-from kvstrata.runtime.runner import OVERLAP_ENV, overlap_enabled
+from kvstrata.runtime.config import OVERLAP_ENV, overlap_enabled
 
 from tiny_dflash import PROMPTS
 from tiny_dflash import assert_clean as _clean

@@ -18,8 +18,8 @@ from kvstrata.pagepool.pool import PagePool
 from kvstrata.pagepool.spec import KVGroupSpec
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
 from kvstrata.runtime import runner as runner_mod
-from kvstrata.runtime.runner import (GRAPHS_ENV, StepItem, graph_batch_size, default_ladder,
-                                     graphs_enabled)
+from kvstrata.runtime.config import GRAPHS_ENV, default_ladder, graph_batch_size, graphs_enabled
+from kvstrata.runtime.runner import StepItem
 from kvstrata.runtime.verify_width import WidthPolicy
 
 PROMPTS = [[(7 * i + 3) % 290 for i in range(n)] for n in (6, 13, 21)] + [

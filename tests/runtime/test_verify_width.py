@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
-from kvstrata.runtime.runner import DRAFT_BLOCK_ENV, draft_block_mode
+from kvstrata.runtime.config import DRAFT_BLOCK_ENV, draft_block_mode
 from kvstrata.runtime.verify_width import (WIDTHS_ENV, WidthPolicy, default_widths,
                                            parse_widths)
 
