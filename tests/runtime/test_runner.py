@@ -112,16 +112,19 @@ def test_padding_rows_change_nothing(ckpts):
 
 
 def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
-    """Steps of 3, then 2 (other order), then 1 sequence through the persistent buffers give the
-    tokens and K/V of the packed general path on the same inputs, step by step; the staged
-    block-table rows hold each row's pages."""
+    """Steps of 3, then 2 (other order), then 1 sequence, padded to changing sizes, through the
+    persistent buffers give the tokens and K/V of the packed general path on the same inputs,
+    step by step; the staged block-table rows hold each row's pages; the copies' views are made
+    once per (staging slot, padded size) over the persistent buffers."""
     llm = _llm(ckpts)
+    run = llm.runner
     reqs = llm.prefill(PROMPTS[:3], SamplingParams(max_tokens=40))
     by = {r.request_id: r for r in reqs}
-    for order in ([0, 1, 2], [2, 0], [1], [0, 1, 2], [2]):
+    for order, pad in (([0, 1, 2], 4), ([2, 0], 2), ([1], 1), ([0, 1, 2], 3), ([2], 4),
+                       ([1, 0], 2)):
         rs = [by[i] for i in order]
-        general, fast, kv_general, _ = _twice(llm, rs, llm.runner._general,
-                                              lambda items: llm.runner.decode(items, pad_to=4))
+        general, fast, kv_general, _ = _twice(llm, rs, run._general,
+                                              lambda items: run.decode(items, pad_to=pad))
         assert fast == general, f"order {order}"
         for i, r in enumerate(rs):   # staged rows: written in part when a row keeps its sequence
             pages = llm.mgr.seqs[r.seq_id].page_ids
@@ -129,7 +132,15 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
         _commit(llm, rs, fast)
-    assert llm.runner.stats()["decode_steps"] == 5
+    assert run.stats()["decode_steps"] == 6
+    # six steps alternate the two slots over four padded sizes: (0, 4), (1, 2), (0, 1), (1, 3),
+    # (0, 4) again, (1, 2) again
+    assert sorted(run._copy_views) == [(0, 1), (0, 4), (1, 2), (1, 3)]
+    for (slot, b), ((ins, tables), out) in run._copy_views.items():
+        assert ins[0] is run._in and ins[1].data_ptr() == run._h_in[slot].data_ptr()
+        assert tables[0].shape[0] == b and tables[0].data_ptr() == run.block_tables.data_ptr()
+        assert tables[1].data_ptr() == run._h_bt[slot].data_ptr() and tables[1].shape[0] == b
+        assert out[0].data_ptr() == run._h_out[slot].data_ptr() and out[1].shape[0] == b
 
 
 def _commit(llm, rs, produced):
