@@ -542,7 +542,13 @@ def main(argv=None) -> int:
                     help="sweep: time the whole product of knobs (slow) instead of stages")
     ap.add_argument("--precompile-workers", type=int, default=12,
                     help="sweep: processes compiling the kernel variants first (0: none)")
+    ap.add_argument("--decode-segment-cap", type=int, default=None, metavar="TOKENS",
+                    help="batch-1 decode attention runs the CUDA launch up to this many tokens "
+                         "(decode_segment.ATTENTION_MAX_CONTEXT, shipped 32768) in this run")
     args = ap.parse_args(argv)
+    if args.decode_segment_cap is not None:
+        from kvstrata.kernels import decode_segment
+        decode_segment.ATTENTION_MAX_CONTEXT = args.decode_segment_cap
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
