@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from kvstrata.kernels import step_inputs
@@ -142,6 +142,37 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
         assert tables[1].data_ptr() == run._h_bt[slot].data_ptr() and tables[1].shape[0] == b
         assert out[0].data_ptr() == run._h_out[slot].data_ptr() and out[1].shape[0] == b
 
+
+
+@settings(max_examples=max(4, settings().max_examples // 5))
+@given(steps=st.lists(st.tuples(st.permutations(range(4)), st.integers(1, 4), st.integers(0, 4),
+                                st.lists(st.integers(1, 4), min_size=4, max_size=4)),
+                      min_size=1, max_size=5))
+def test_random_step_schedules_equal_the_general_path(ckpts, steps):
+    """Random steps over four sequences (which of them, in which order, padded by 0-4 rows,
+    each with its own block length) through the persistent buffers and both staging slots:
+    every step's tokens and K/V equal the general path's on the same inputs, and the staged
+    block-table rows hold each row's pages (a row that keeps its sequence gets only its new
+    pages; one that changes sequence is written whole)."""
+    llm = _llm(ckpts)
+    run, B = llm.runner, llm.block_size
+    reqs = llm.prefill(PROMPTS[:4], SamplingParams(max_tokens=40))
+    for order, n, extra, lens in steps:
+        rs = [reqs[i] for i in order[:n]]
+        ns = [min(k, B, run.max_seq_len - r.num_computed - 1) for k, r in zip(lens, rs)]
+        pad = min(n + extra, run.max_batch)
+        note(f"rows {order[:n]} block lengths {ns} padded to {pad}")
+        general, fast, kv_general, _ = _twice(llm, rs, run._general,
+                                              lambda items: run.decode(items, pad_to=pad), ns)
+        assert fast == general
+        for i, r in enumerate(rs):
+            pages = llm.mgr.seqs[r.seq_id].page_ids
+            assert run._hbt[i, :len(pages)].tolist() == pages
+        for g in llm.pool.kv:
+            torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
+        _commit(llm, rs, fast)
+    for r in reqs:
+        llm.release(r)
 
 def _commit(llm, rs, produced):
     for r, new in zip(rs, produced):           # commit as the engine does
