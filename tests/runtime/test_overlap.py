@@ -48,7 +48,7 @@ def test_overlap_switch_config_device_and_environment(monkeypatch):
         RunnerConfig(overlap="yes")
 
 
-@settings(max_examples=8, deadline=None, derandomize=True)
+@settings(max_examples=max(8, settings.default.max_examples // 5))
 @given(spec=st.booleans(), n=st.integers(1, 5), seats=st.integers(1, 8),
        lens=st.lists(st.integers(1, 30), min_size=5, max_size=5),
        stop=st.sampled_from([None, 5, 17, 42]), min_tokens=st.integers(0, 6))
@@ -250,7 +250,7 @@ def test_close_with_a_step_in_flight(ckpts):
     assert llm.pool.num_in_use == 0 and llm._flight is None
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
+@settings(max_examples=max(25, settings.default.max_examples // 2))
 @given(data=st.data())
 def test_step_inputs_reference(data):
     """The device-side step inputs by hand: host rows copied, continued rows advanced by the
@@ -319,7 +319,7 @@ def test_step_inputs_triton_kernel_equals_reference(device):
         assert torch.equal(got_s.cpu(), want_s) and torch.equal(got_q.cpu(), want_q), (mb, rows)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=max(6, settings.default.max_examples // 7))
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step", "step"]),
                               st.integers(0, 4), st.integers(1, 24)),
                     min_size=4, max_size=30))

@@ -144,7 +144,7 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
 
 
 
-@settings(max_examples=max(4, settings().max_examples // 5))
+@settings(max_examples=max(4, settings.default.max_examples // 5))
 @given(steps=st.lists(st.tuples(st.permutations(range(4)), st.integers(1, 4), st.integers(0, 4),
                                 st.lists(st.integers(1, 4), min_size=4, max_size=4)),
                       min_size=1, max_size=5))
