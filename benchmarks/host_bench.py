@@ -9,7 +9,9 @@ count, the positions verified), so what is timed is everything else the step doe
   copies, width choice, collect; commit), per step;
 - ``engine``: decode steps through ``LLM.generate`` (schedule, items, runner, acceptance, stops,
   text, commit), per step: a long run's time minus a short run's, over the steps between them,
-  so prefill and request setup drop out.
+  so prefill and request setup drop out; synchronous steps, and overlapped ones (step N + 1
+  submitted from step N's output before step N's tokens are read: the host work per step an
+  overlapped engine must keep below the device's step time).
 
 Tiny preset models, graphs off (the host work of a replayed step is the same but for the replay
 call). Median of ``--reps`` rounds.
@@ -32,13 +34,13 @@ from runner_bench import Bench
 from kvstrata.runtime import LLM, CacheConfig, RunnerConfig, SamplingParams
 
 
-def make_llm(mode: str, batch: int, device: str, ctx: int) -> LLM:
+def make_llm(mode: str, batch: int, device: str, ctx: int, overlap: bool = False) -> LLM:
     target, drafter = build_models(PRESETS["tiny"], device, torch.float32)
     cache = CacheConfig(page_size=16, max_seq_len=ctx + 8192, max_batch_size=batch,
                         max_num_batched_tokens=max(2048, 4 * batch), target_codec="identity",
                         draft_codec="identity")
     llm = LLM(target, drafter if mode == "spec" else None, cache, device=device,
-              runner=RunnerConfig(cuda_graphs=False, overlap=False, batch_sizes=(batch,)))
+              runner=RunnerConfig(cuda_graphs=False, overlap=overlap, batch_sizes=(batch,)))
     run, B = llm.runner, llm.runner.B
     produced = 1 if mode == "plain" else max(1, B - 1)
 
@@ -94,15 +96,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("| mode | batch | runner us/step | engine us/step |")
-    print("|---|---|---|---|")
+    print("| mode | batch | runner us/step | engine us/step | engine overlapped us/step |")
+    print("|---|---|---|---|---|")
     for mode in args.modes:
         for b in args.batches:
             llm = make_llm(mode, b, args.device, args.context)
             r = runner_us(llm, b, args.context, args.steps, args.reps)
             e = engine_us(llm, b, args.steps, args.reps)
-            print(f"| {mode} | {b} | {r:.1f} | {e:.1f} |", flush=True)
             llm.close()
+            llm = make_llm(mode, b, args.device, args.context, overlap=True)
+            o = engine_us(llm, b, args.steps, args.reps)
+            llm.close()
+            print(f"| {mode} | {b} | {r:.1f} | {e:.1f} | {o:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
