@@ -2,7 +2,7 @@
 # Runs on the H200 machine (device tool), from the repository root (issue 13, the model runner):
 #   bash benchmarks/gpu_runner.sh [STEP ...]
 #   steps: tests sweep attn b1 one pdl0 ab bench peer e2e profile kprof kprofb kprofref tiles
-#   gated rope bsweep vsweep persistent dataflow segment cap
+#   gated rope bsweep vsweep persistent dataflow segment cap switches
 # tests: the runner's CUDA test set (TESTS="paths" for fewer); sweep: the batch-1 split sweep of
 # the attention kernel; b1: batch-1 steps with several min_split_tokens; one: batch-1 steps;
 # ab: steps at AB_BATCHES (1) of this tree and of a kvstrata package copied into _ref/ (carry
@@ -25,7 +25,10 @@
 # then 36; PERSIST_ARGS, e.g. "--modes mma --rings 16x12"); dataflow:
 # benchmarks/dataflow_chain.py (DATAFLOW_ARGS, e.g. "--sg 16"); segment:
 # benchmarks/segment_proto.py (attention + o_proj in one launch; SEG_ARGS); cap: batch-1 decode
-# attention at 32k-128k with the CUDA launch capped at 32k (Triton past it), then at 128k. Markdown/logs go to
+# attention at 32k-128k with the CUDA launch capped at 32k (Triton past it), then at 128k;
+# switches: batch-1 decode attention at 1k-128k (the CUDA launch allowed to 128k) with
+# decode_segment's pages / merge switches (SWITCH_ROUNDS, default 1 2: alternating processes;
+# SWITCH_CASES). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
@@ -83,6 +86,15 @@ for s in "${steps[@]}"; do
            python3 benchmarks/attention_bench.py --cases 1x32768,1x65536,1x131072 \
              --decode-segment-cap $cap 2>&1 | grep "^|"
          done > "$OUT/cap.log" 2>&1 ;;
+    switches) for r in ${SWITCH_ROUNDS:-1 2}; do   # pages:merge, shipped 0:0 first
+                for pm in 0:0 1:0 0:1 1:1; do
+                  echo "== pages:merge $pm (round $r)"
+                  KVSTRATA_DECODE_SEGMENT_VARIANT=16:0:2:1:$pm python3 \
+                    benchmarks/attention_bench.py --reps 100 --decode-segment-cap 131072 \
+                    --cases ${SWITCH_CASES:-1x1024,1x8192,1x32768,1x65536,1x131072} 2>&1 \
+                    | grep "^|"
+                done
+              done > "$OUT/switches.log" 2>&1 ;;
     attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \
             --out "$OUT/attn.md" > "$OUT/attn.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \

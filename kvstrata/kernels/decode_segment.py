@@ -54,7 +54,8 @@ import os
 import torch
 from torch import Tensor
 
-from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
+from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, epoch_words, grid_counter,
+                    variant)
 from ._device import pdl_ok
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
@@ -66,8 +67,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl``
-VARIANT = (SMEM_ROWS, 0, 2, 1)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, merge``
+VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -90,6 +91,9 @@ _SOURCE = r"""
 #define PDL %(pdl)d
 #define STAMPS %(stamps)d
 #define ATTN_ONLY %(attn_only)d
+#define PAGES %(pages)d
+#define MERGE %(merge)d
+#define CH (SPLITS < 16 ? SPLITS : 16)
 #define NW 8
 #define ROWS (RPW * NW)
 %(prelude)s
@@ -206,6 +210,43 @@ __device__ __forceinline__ float merge_one(const float* part_o, const float* par
     return val / sum;
 }
 
+// merge_one from the partials tagged with this launch's epoch (MERGE 1): each chunk's words are
+// loaded at once and each polled until it carries the epoch; chunks of CH splits merged online
+// (one chunk, and merge_one's sums, at SPLITS <= 16).
+__device__ __forceinline__ float merge_tagged(const u64* words, int qh, int d, u32 ep) {
+    const u64* lw = words + (size_t)SPLITS * NKV * GROUP * 128;
+    float M = NEG_INF, sum = 0.f, val = 0.f;
+#pragma unroll 1
+    for (int s0 = 0; s0 < SPLITS; s0 += CH) {
+        u64 wl[CH], wo[CH];
+        float lse[CH], o[CH], cm = NEG_INF;
+#pragma unroll
+        for (int s = 0; s < CH; ++s) {
+            wl[s] = ld_relaxed_u64(lw + (s0 + s) * NKV * GROUP + qh);
+            wo[s] = ld_relaxed_u64(words + (size_t)((s0 + s) * NKV * GROUP + qh) * 128 + d);
+        }
+#pragma unroll
+        for (int s = 0; s < CH; ++s) {
+            lse[s] = await_tag(lw + (s0 + s) * NKV * GROUP + qh, wl[s], ep);
+            o[s] = await_tag(words + (size_t)((s0 + s) * NKV * GROUP + qh) * 128 + d, wo[s], ep);
+            cm = fmaxf(cm, lse[s]);
+        }
+        const float mn = fmaxf(M, cm);
+        if (mn == NEG_INF) continue;
+        const float a = exp2f(M - mn);
+        sum *= a;
+        val *= a;
+#pragma unroll
+        for (int s = 0; s < CH; ++s) {
+            const float e = exp2f(lse[s] - mn);
+            sum += e;
+            val += e * o[s];
+        }
+        M = mn;
+    }
+    return sum > 0.f ? val / sum : 0.f;
+}
+
 extern "C" __global__ void __launch_bounds__(NW * 32, 1)
 decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long long layer_off,
                long long s_page, long long s_kv, long long s_head,
@@ -213,7 +254,8 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                const bf16_t* __restrict__ W, const bf16_t* __restrict__ res,
                const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
                bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
-               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps) {
+               float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps,
+               int bt_w, u64* words) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* wsm = (bf16_t*)smem;                                        // RS rows of W
     float* red = (float*)(smem + RS * K_IN * 2);                       // [NW][GROUP][128]
@@ -221,10 +263,16 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     float* red_l = red_m + NW * GROUP;
     float* ssw = red_l + NW * GROUP;                                    // [NW]
     u64* bar = (u64*)(ssw + NW);
+    u32* ep_sm = (u32*)(bar + 1);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x;
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
+#if MERGE
+    // this launch's epoch (its round trip hidden behind the pages)
+    u32 ep_old = 0;
+    if (tid == 0) ep_old = atomicAdd(ctr + 8, 1u);
+#endif
     // the epilogue's inputs for this warp's rows (read now; under PDL after the wait)
     float rres[RPW], rgam[RPW];
 #define LOAD_RES() _Pragma("unroll") for (int rr = 0; rr < RPW; ++rr) { \
@@ -240,10 +288,22 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 
     // 1-2. one (KV head, split) of attention; the weight copies start as RLATE says
     const int h = c / SPLITS, sidx = c %% SPLITS;
+#if PAGES
+    // pages dealt round robin: this warp takes pages sidx + SPLITS * (warp + NW * k); their
+    // first 32 ids do not depend on the length, so they are read beside it, one per lane
+    const int p0 = sidx + SPLITS * warp, pstep = SPLITS * NW;
+    int btl = p0 + lane * pstep < bt_w ? bt[p0 + lane * pstep] : 0;
+    const int L = *seq_len_p, hi = L, pend = (L + 15) / 16;
+    const int npw = pend > p0 ? (pend - p0 + pstep - 1) / pstep : 0;
+#else
+    // split sidx: a contiguous run of T tokens; this warp's pages p0, p0 + NW, ...
     const int L = *seq_len_p;
     int T = (L + SPLITS - 1) / SPLITS;
     T = (T + 15) & ~15;
     const int lo = sidx * T, hi = min(lo + T, L);
+    const int p0 = lo / 16 + warp, pstep = NW, pend = (hi + 15) / 16;
+    const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
+#endif
     const int r4 = lane >> 2, t4 = lane & 3;
     v4 qv[4];
     float m[2], l[2], acc[8][4];
@@ -259,10 +319,10 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     LOAD_Q()
 #endif
     const bf16_t* kbase = kv + layer_off + (long long)h * s_head;
-    // this warp's pages p0, p0 + NW, ...; their ids 32 at a time, one per lane
-    const int p0 = lo / 16 + warp, pend = (hi + 15) / 16;
-    const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
-    int btl = lane < npw ? bt[p0 + lane * NW] : 0;
+    // this warp's pages p0, p0 + pstep, ...; their ids 32 at a time, one per lane
+#if !PAGES
+    int btl = lane < npw ? bt[p0 + lane * pstep] : 0;
+#endif
     v4 kr[8], vr[8];
     // under PDL the first page before the wait unless it holds this step's token (the
     // previous kernel's K/V write); q and the residual after it
@@ -284,12 +344,12 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         v4 kn[8], vn[8];
         const int k1 = k + 1;
         if (k1 < npw) {
-            if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * NW] : 0;
+            if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * pstep] : 0;
             LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, kn, vn);
             if (RLATE == 2 && tid == 0 && k1 == npw - 1)
                 start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
         }
-        ATTEND(p0 + k * NW);
+        ATTEND(p0 + k * pstep);
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
     }
@@ -311,7 +371,13 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             if (r4 == 0) { red_m[warp * GROUP + g] = m[c]; red_l[warp * GROUP + g] = l[c]; }
         }
     }
+#if MERGE
+    if (tid == 0) *ep_sm = epoch_of(ep_old);
+#endif
     __syncthreads();
+#if MERGE
+    const u32 ep = *ep_sm;
+#endif
     for (int o = tid; o < GROUP * 128; o += NW * 32) {
         const int g = o >> 7, d = o & 127;
         float M = NEG_INF;
@@ -325,13 +391,22 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             }
         }
         const int row = sidx * NKV * GROUP + GROUP * h + g;
-        part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
-        if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
+        const float po = sum > 0.f ? val / sum : 0.f, pl = sum > 0.f ? M + log2f(sum) : NEG_INF;
+#if MERGE
+        st_relaxed_u64(words + (size_t)row * 128 + d, tag(po, ep));
+        if (d == 0) st_relaxed_u64(words + (size_t)SPLITS * NKV * GROUP * 128 + row, tag(pl, ep));
+#else
+        part_o[(size_t)row * 128 + d] = po;
+        if (d == 0) part_lse[row] = pl;
+#endif
     }
     STAMP(1)
 
-    // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
+    // 3. every partial stored (MERGE 1: each merging thread waits for the words it reads):
+    // blocks 0 .. NKV * GROUP - 1 merge one query head each
+#if !MERGE
     grid_barrier(ctr);
+#endif
 #if RREG
     // every block's attention is done: this warp's rows past RS into registers now
     v4 wg[RPW - RS / NW][K_IN / 256];
@@ -344,7 +419,11 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 #endif
     STAMP(2)
     for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
+#if MERGE
+        xbuf[c * 128 + o] = to_bf(merge_tagged(words, c, o, ep));
+#else
         xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
+#endif
     STAMP(3)
 #if ATTN_ONLY
     return;   // xbuf is the attention output [NKV * GROUP, 128]
@@ -419,38 +498,47 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pdl: int = 0, stamps: bool = False, attn_only: bool = False) -> str:
+           rlate: int = 2, pdl: int = 0, pages: int = 0, merge: int = 0, stamps: bool = False,
+           attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
     read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
-    dependent launch, the first page's loads issued before the wait; ``stamps``: per-block
-    phase timestamps, ``benchmarks/segment_proto.py``; ``attn_only``: phases 2-3 alone, the
-    merged attention written to ``xbuf``, :func:`decode_attention`)."""
+    dependent launch, the first page's loads issued before the wait; ``pages``: each split a
+    contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
+    first ids read beside the length instead of after it (1); ``merge``: the partials meet at
+    a grid barrier (0) or are written with the launch's epoch and polled by the merging
+    blocks (1); ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
+    ``attn_only``: phases 2-3 alone, the merged attention written to ``xbuf``,
+    :func:`decode_attention`)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
                       "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
-                      "stamps": int(stamps), "attn_only": int(attn_only)}
+                      "pages": int(pages), "merge": int(merge), "stamps": int(stamps),
+                      "attn_only": int(attn_only)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
-    """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states, the mbarrier."""
+    """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states, the mbarrier
+    and the launch's epoch."""
     return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          pdl: int, stamps: bool, attn_only: bool = False) -> tuple[str, int]:
+          pdl: int, pages: int, merge: int, stamps: bool, attn_only: bool = False
+          ) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps, attn_only), rs
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, merge, stamps,
+                  attn_only), rs
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int, rs: int,
-            rreg: int, rlate: int, pdl: int, stamps: bool, attn_only: bool = False) -> Kernel:
-    src, rs = build(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, stamps, attn_only)
+def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int,
+            v: tuple[int, ...], stamps: bool, attn_only: bool = False) -> Kernel:
+    src, rs = build(nkv, group, k_in, n_out, *v, stamps, attn_only)
     with torch.cuda.device(device):
         return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
 
@@ -472,7 +560,7 @@ def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
 def _compiled(device: torch.device, nkv: int, group: int, k_in: int, n_out: int) -> bool:
     """Compiles the shape's kernel (once, before any graph capture needs it); a failure warns
     once and leaves the layer on the Triton path."""
-    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, *_env_variant(), False),
+    return compiles(lambda: _kernel(device, nkv, group, k_in, n_out, _env_variant(), False),
                     f"kernels.decode_segment: not compiled for {nkv} KV heads x {group}, o_proj "
                     f"[{n_out}, {k_in}] on {device}",
                     "batch-1 decode keeps the Triton attention + o_proj launches")
@@ -521,8 +609,9 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl``; ``None``: :data:`VARIANT` or what
-    ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and ``_stamps``
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, merge``, those left out as
+    shipped; ``None``: :data:`VARIANT` or what ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and
+    ``_stamps``
     (int64, ``BLOCKS * 16``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]
@@ -530,8 +619,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    v = _variant or _env_variant()
-    kern = _kernel(dev, hkv, hq // hkv, k_in, n, *v, _stamps is not None)
+    v = tuple(_variant) + VARIANT[len(_variant):] if _variant else _env_variant()
+    kern = _kernel(dev, hkv, hq // hkv, k_in, n, v, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -544,7 +633,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, weight, residual.contiguous(),
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
-          _stamps if _stamps is not None else ctypes.c_void_p(0)],
+          _stamps if _stamps is not None else ctypes.c_void_p(0),
+          ctypes.c_int32(meta.block_tables.shape[1]), epoch_words(dev)],
          pdl=bool(v[3]) and pdl_ok(dev, "segment"))
     return out, h, RowRms(ss, n, eps)
 
@@ -558,32 +648,34 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
             <= ATTENTION_MAX_CONTEXT and attention_shapes_ok(q, kv_cache, meta, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
-    return _attn_compiled(q.device, hkv, q.shape[1] // hkv)
+    return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *_env_variant()[4:])
 
 
-def _attn_kernel(device: torch.device, nkv: int, group: int) -> Kernel:
-    """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4)."""
-    return _kernel(device, nkv, group, k_in=nkv * group * 128, n_out=BLOCKS * WARPS, rs=0,
-                   rreg=0, rlate=2, pdl=0, stamps=False, attn_only=True)
+def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, merge: int) -> Kernel:
+    """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
+    ``pages`` and ``merge`` as :func:`source` says."""
+    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS,
+                   (0, 0, 2, 0, pages, merge), stamps=False, attn_only=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _attn_compiled(device: torch.device, nkv: int, group: int) -> bool:
-    return compiles(lambda: _attn_kernel(device, nkv, group),
+def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, merge: int) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group, pages, merge),
                     f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
                     f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
 
 
 def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata, *,
-                     sm_scale: float) -> Tensor:
+                     sm_scale: float, _variant: tuple[int, ...] | None = None) -> Tensor:
     """Batch-1 decode attention in one launch, where :func:`decode_attention_ok` holds: the
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order."""
+    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, merge`` apply)."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
-    kern = _attn_kernel(dev, hkv, hq // hkv)
+    v = tuple(_variant) + VARIANT[len(_variant):] if _variant else _env_variant()
+    kern = _attn_kernel(dev, hkv, hq // hkv, *v[4:])
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -593,7 +685,7 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, null, null, null, null, null,
           null, part_o, part_lse, out, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
-          null])
+          null, ctypes.c_int32(meta.block_tables.shape[1]), epoch_words(dev)])
     return out
 
 
