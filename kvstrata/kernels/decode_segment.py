@@ -571,9 +571,9 @@ def attention_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
     """The attention the kernel takes (any device): one causal query of one sequence, bf16 ``q
     [1, Hq, 128]`` (heads 128 apart) over a contiguous pool ``[pages, layers, 2, Hkv, 16,
     128]``, Hkv dividing 128 with at most 8 query heads each and ``Hq * 128 <= 4096`` a
-    multiple of 256, no sliding window."""
+    multiple of 256, no sliding window, a block-table row of consecutive ids."""
     if (meta.num_seqs != 1 or meta.max_query_len != 1 or not meta.causal
-            or sliding_window is not None):
+            or sliding_window is not None or meta.block_tables.stride(1) != 1):
         return False
     if (q.dim() != 3 or q.shape[0] != 1 or q.shape[2] != 128 or q.dtype != torch.bfloat16
             or q.stride(2) != 1 or q.stride(1) != 128):

@@ -739,9 +739,11 @@ def segment_shapes_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weig
     ``q [T, Hq, 128]`` (heads 128 apart, tokens 8-byte aligned), a contiguous pool ``[pages,
     layers, 2, Hkv, 16, 128]`` below 2**31 rows of 128, Hkv >= 2 dividing 128 with 1, 2, 4 or 8
     query heads each and ``Hq`` a multiple of 8, a contiguous o_proj weight ``[N, Hq * 128]``
-    with ``N`` 2048 or 4096, ``Hq * 128 <= 4096``, no bias, no sliding window."""
+    with ``N`` 2048 or 4096, ``Hq * 128 <= 4096``, no bias, no sliding window, a block-table
+    row of consecutive ids."""
     if (meta.num_seqs != 1 or not 2 <= meta.max_query_len <= MAX_QUERIES or not meta.causal
-            or sliding_window is not None or bias is not None):
+            or sliding_window is not None or bias is not None
+            or meta.block_tables.stride(1) != 1):
         return False
     if (q.dim() != 3 or q.shape[0] != meta.max_query_len or q.shape[2] != 128
             or q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != 128

@@ -59,6 +59,8 @@ def test_shapes_it_takes_and_refuses():
         "N above 4096": (q, kv, meta, torch.cat([w, w]), None, None),
         "weight not contiguous": (q, kv, meta, w.t().contiguous().t(), None, None),
         "16 query heads per KV head": (q, kv[:, :, :, :2].contiguous(), meta, w, None, None),
+        "block-table row with a stride": (q, kv, dataclasses.replace(
+            meta, block_tables=torch.zeros((1, 32), dtype=torch.int32)[:, ::2]), w, None, None),
     }
     for why, args in refused.items():
         assert not ds.segment_shapes_ok(*args), why

@@ -68,6 +68,8 @@ def test_shapes_it_takes_and_refuses():
         "weight not contiguous": (q, kv, meta, w.t().contiguous().t(), None, None),
         "16 query heads per KV head": (q, kv[:, :, :, :2].contiguous(), meta, w, None, None),
         "one KV head": (q[:, :8], kv[:, :, :, :1].contiguous(), meta, w[:, :1024], None, None),
+        "block-table row with a stride": (q, kv, dataclasses.replace(
+            meta, block_tables=torch.zeros((1, 32), dtype=torch.int32)[:, ::2]), w, None, None),
     }
     for why, args in refused.items():
         assert not vs.segment_shapes_ok(*args), why
