@@ -67,8 +67,8 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, merge``
-VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, merge, unroll``
+VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -93,6 +93,7 @@ _SOURCE = r"""
 #define ATTN_ONLY %(attn_only)d
 #define PAGES %(pages)d
 #define MERGE %(merge)d
+#define UNROLL %(unroll)d
 #define CH (SPLITS < 16 ? SPLITS : 16)
 #define NW 8
 #define ROWS (RPW * NW)
@@ -314,7 +315,6 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
         _Pragma("unroll") for (int e = 0; e < 4; ++e) acc[i][e] = 0.f; \
     m[0] = m[1] = NEG_INF; l[0] = l[1] = 0.f;
 #define LOAD_PAGE(ptr, K, V) load_page(ptr, s_kv, r4, t4, K, V)
-#define ATTEND(pg) attend_page(kr, vr, pg, hi, r4, t4, qv, qk_scale, m, l, acc)
 #if !PDL
     LOAD_Q()
 #endif
@@ -340,19 +340,31 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     // loads are issued (the same with <= 1 page); 1: after its products (below)
     if (tid == 0 && (RLATE == 0 || (RLATE == 2 && npw <= 1)))
         start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
+    v4 kn[8], vn[8];
+    // one page: the next page's loads into (NK, NV), then page k's products from (CK, CV)
+#define PAGE_STEP(k, CK, CV, NK, NV) { \
+        const int k1 = (k) + 1; \
+        if (k1 < npw) { \
+            if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * pstep] : 0; \
+            LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, NK, NV); \
+            if (RLATE == 2 && tid == 0 && k1 == npw - 1) \
+                start_rows(W + (size_t)c * ROWS * K_IN, smem, bar); \
+        } \
+        attend_page(CK, CV, p0 + (k) * pstep, hi, r4, t4, qv, qk_scale, m, l, acc); }
+#if UNROLL
+    // two pages per trip, the buffers' roles swapped: no register copy waits for the next
+    // page's loads, so a warp waits on page k + 1 with page k + 2's loads already issued
+    for (int k = 0; k < npw; k += 2) {
+        PAGE_STEP(k, kr, vr, kn, vn)
+        if (k + 1 < npw) PAGE_STEP(k + 1, kn, vn, kr, vr)
+    }
+#else
     for (int k = 0; k < npw; ++k) {
-        v4 kn[8], vn[8];
-        const int k1 = k + 1;
-        if (k1 < npw) {
-            if ((k1 & 31) == 0) btl = k1 + lane < npw ? bt[p0 + (k1 + lane) * pstep] : 0;
-            LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, k1 & 31) * s_page, kn, vn);
-            if (RLATE == 2 && tid == 0 && k1 == npw - 1)
-                start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
-        }
-        ATTEND(p0 + k * pstep);
+        PAGE_STEP(k, kr, vr, kn, vn)
 #pragma unroll
         for (int i = 0; i < 8; ++i) { kr[i] = kn[i]; vr[i] = vn[i]; }
     }
+#endif
     if (tid == 0 && RLATE == 1) start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
     // each lane's column sums cover its own tokens: summed across the lanes of equal t; the
     // warp's state into shared memory
@@ -498,8 +510,8 @@ def _env_variant() -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pdl: int = 0, pages: int = 0, merge: int = 0, stamps: bool = False,
-           attn_only: bool = False) -> str:
+           rlate: int = 2, pdl: int = 0, pages: int = 0, merge: int = 0, unroll: int = 0,
+           stamps: bool = False, attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
@@ -508,14 +520,18 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
     first ids read beside the length instead of after it (1); ``merge``: the partials meet at
     a grid barrier (0) or are written with the launch's epoch and polled by the merging
-    blocks (1); ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
+    blocks (1); ``unroll``: the page loop one page per trip, the next page's buffers copied
+    to the current ones (0: the copy waits for the next page's loads), or two pages per trip
+    with the buffers' roles swapped (1: the same products in the same order);
+    ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
     ``attn_only``: phases 2-3 alone, the merged attention written to ``xbuf``,
     :func:`decode_attention`)."""
     rows = n_out // BLOCKS
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
                       "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
-                      "pages": int(pages), "merge": int(merge), "stamps": int(stamps),
+                      "pages": int(pages), "merge": int(merge), "unroll": int(unroll),
+                      "stamps": int(stamps),
                       "attn_only": int(attn_only)}
 
 
@@ -526,13 +542,13 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          pdl: int, pages: int, merge: int, stamps: bool, attn_only: bool = False
-          ) -> tuple[str, int]:
+          pdl: int, pages: int, merge: int, unroll: int, stamps: bool,
+          attn_only: bool = False) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, merge, stamps,
-                  attn_only), rs
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, merge, unroll,
+                  stamps, attn_only), rs
 
 
 @functools.lru_cache(maxsize=None)
@@ -651,16 +667,18 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
     return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *_env_variant()[4:])
 
 
-def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, merge: int) -> Kernel:
+def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, merge: int,
+                 unroll: int) -> Kernel:
     """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
-    ``pages`` and ``merge`` as :func:`source` says."""
+    ``pages``, ``merge`` and ``unroll`` as :func:`source` says."""
     return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS,
-                   (0, 0, 2, 0, pages, merge), stamps=False, attn_only=True)
+                   (0, 0, 2, 0, pages, merge, unroll), stamps=False, attn_only=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, merge: int) -> bool:
-    return compiles(lambda: _attn_kernel(device, nkv, group, pages, merge),
+def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, merge: int,
+                   unroll: int) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group, pages, merge, unroll),
                     f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
                     f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
 
@@ -671,7 +689,8 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, merge`` apply)."""
+    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, merge, unroll``
+    apply)."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
     v = tuple(_variant) + VARIANT[len(_variant):] if _variant else _env_variant()

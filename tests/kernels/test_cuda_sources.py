@@ -89,7 +89,7 @@ def test_decode_attention_alone_compiles(shape):
     """``decode_attention``'s build: phases 2-3 only (no o_proj rows, no second barrier)."""
     nkv, group = shape[:2]
     src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0, 0, 0,
-                       False, True)
+                       0, False, True)
     assert rs == 0 and "#define ATTN_ONLY 1" in src
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
@@ -97,34 +97,37 @@ def test_decode_attention_alone_compiles(shape):
                                              "90")[0].count("bar.sync")
 
 
-@pytest.mark.parametrize("switches", [(24, 1, 0, 1, 0, 0, True), (16, 0, 1, 0, 0, 0, False),
-                                      (0, 0, 2, 0, 0, 0, False), (16, 0, 2, 1, 1, 1, False),
-                                      (16, 0, 2, 1, 1, 0, True), (16, 0, 2, 1, 0, 1, False)])
+@pytest.mark.parametrize("switches", [
+    (24, 1, 0, 1, 0, 0, 0, True), (16, 0, 1, 0, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, 0, False),
+    (16, 0, 2, 1, 1, 1, 1, False), (16, 0, 2, 1, 1, 0, 0, True), (16, 0, 2, 1, 0, 1, 0, False),
+    (16, 0, 2, 1, 0, 0, 1, False)])
 def test_decode_segment_benchmark_switches_compile(switches):
     """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
     start points, no rows in shared memory, the PDL launch, pages dealt round robin, partials
-    tagged with the launch's epoch, the phase timestamps."""
+    tagged with the launch's epoch, the page loop two pages per trip, the phase timestamps."""
     src, rs = ds.build(8, 4, 4096, 4096, *switches)
     assert rs == switches[0]
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
-@pytest.mark.parametrize("pages_merge", [(1, 0), (0, 1), (1, 1)])
-def test_decode_attention_switches_compile(shape, pages_merge):
-    """``decode_attention``'s build with pages dealt round robin and / or the tagged merge: no
-    grid barrier (no ``bar.sync`` beyond the block's own) where the merge polls, the partials
-    stored and loaded as whole 64-bit words through L2, merged in chunks of <= 16 splits."""
+@pytest.mark.parametrize("switches", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1)])
+def test_decode_attention_switches_compile(shape, switches):
+    """``decode_attention``'s build with pages dealt round robin, the tagged merge, the page
+    loop two pages per trip: no grid barrier's wait where the merge polls, the partials stored
+    and loaded as whole 64-bit words through L2 (merged in chunks of <= 16 splits), the
+    loop's 16 products twice where it is unrolled."""
     nkv, group = shape[:2]
-    pages, merge = pages_merge
+    pages, merge, unroll = switches
     src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0, pages,
-                      merge, False, True)
+                      merge, unroll, False, True)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
     assert ("atom.global.add" in ptx) == bool(merge)
     assert ("st.relaxed.gpu.global.u64" in ptx) == bool(merge)
     assert ("ld.relaxed.gpu.global.u64" in ptx) == bool(merge)
     assert ("ld.acquire.gpu" in ptx) == (not merge)      # the grid barrier's wait
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + unroll)
 
 
 # the warpgroup build (4 query heads per KV head: Qwen3-8B, and 4 KV heads at 2048) and the

@@ -231,89 +231,91 @@ def test_cuda_qwen3_batch1_decode_takes_it(mark, tmp_path, monkeypatch):
     torch.testing.assert_close(on.float(), off.float(), atol=6e-2, rtol=3e-2)
 
 
-# the switches measured against the shipped build (``pages, merge``: pages dealt round robin,
-# their ids read beside the length; partials tagged with the launch's epoch and polled)
-SWITCHES = [(1, 0), (0, 1), (1, 1)]
+# the switches measured against the shipped build (``pages, merge, unroll``: pages dealt round
+# robin, their ids read beside the length; partials tagged with the launch's epoch and polled;
+# the page loop two pages per trip)
+SWITCHES = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1)]
 
 
-def _attention(q, kv, layer, meta, pages_merge):
+def _attention(q, kv, layer, meta, switches):
     return ds.decode_attention(q, kv, layer, meta, sm_scale=128 ** -0.5,
-                               _variant=ds.VARIANT[:4] + pages_merge)
+                               _variant=ds.VARIANT[:4] + switches)
 
 
 @pytest.mark.parametrize("ctx", [1, 17, 1000, 4097, 8192, 70001])
 @pytest.mark.parametrize("shape", [(32, 8), (8, 2)])
-@pytest.mark.parametrize("pages_merge", SWITCHES)
+@pytest.mark.parametrize("switches", SWITCHES)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_attention_switches_equal_the_shipped_build(ctx, shape, pages_merge, mark):
+def test_cuda_attention_switches_equal_the_shipped_build(ctx, shape, switches, mark):
     """Each switch of the attention-only build against the shipped build and a float32
-    reference, NaN past the sequence; the tagged merge alone (the same partials) is bit-equal
-    where it merges in one chunk (<= 16 splits per KV head: 8 KV heads)."""
+    reference, NaN past the sequence; the unrolled loop (the same products in the same order)
+    is bit-equal, and so is the tagged merge (the same partials) where it merges in one chunk
+    (<= 16 splits per KV head: 8 KV heads)."""
     hq, hkv = shape
     q, kv, meta, *_ = _case("cuda", ctx, hq, hkv, seed=ctx)
     if ctx % 16:
         kv[meta.block_tables[0, ctx // 16].item(), :, :, :, ctx % 16:] = float("nan")
-    shipped = _attention(q, kv, 1, meta, (0, 0))
-    got = _attention(q, kv, 1, meta, pages_merge)
+    shipped = _attention(q, kv, 1, meta, (0, 0, 0))
+    got = _attention(q, kv, 1, meta, switches)
     assert torch.isfinite(got).all()
-    if pages_merge == (0, 1) and ds.BLOCKS // hkv <= 16:
+    if switches == (0, 0, 1) or (switches == (0, 1, 0) and ds.BLOCKS // hkv <= 16):
         assert torch.equal(got, shipped)
     ref = paged_attention(q.float(), kv.float(), 1, meta, sm_scale=128 ** -0.5, impl="torch")
     err, serr = (got.float() - ref).abs().max().item(), (shipped.float() - ref).abs().max().item()
     assert err <= max(2 * serr, 4e-3), (err, serr)
 
 
-@pytest.mark.parametrize("pages_merge", SWITCHES)
+@pytest.mark.parametrize("switches", [v for v in SWITCHES if v[1]])
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_tagged_merge_never_reads_a_previous_launch(pages_merge, mark):
+def test_cuda_tagged_merge_never_reads_a_previous_launch(switches, mark):
     """Launches that alternate between two layers (different K/V, the same words workspace)
     each equal a launch of the shipped build on their own layer, eager and in a graph of
     both: a word of the previous launch is never taken for this launch's."""
     q, kv, meta, *_ = _case("cuda", 5000, seed=3)
-    want = [_attention(q, kv, layer, meta, pages_merge[:1] + (0,)) for layer in (0, 1)]
+    want = [_attention(q, kv, layer, meta, (switches[0], 0, switches[2])) for layer in (0, 1)]
     for _ in range(4):
         for layer in (0, 1):
-            assert torch.equal(_attention(q, kv, layer, meta, pages_merge), want[layer])
+            assert torch.equal(_attention(q, kv, layer, meta, switches), want[layer])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        outs = [_attention(q, kv, layer, meta, pages_merge) for layer in (0, 1, 0, 1)]
+        outs = [_attention(q, kv, layer, meta, switches) for layer in (0, 1, 0, 1)]
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(o, want[i % 2]) for i, o in enumerate(outs))
 
 
-@pytest.mark.parametrize("pages_merge", SWITCHES)
+@pytest.mark.parametrize("switches", SWITCHES)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_attention_switches_graph_replay_equals_eager(pages_merge, mark):
+def test_cuda_attention_switches_graph_replay_equals_eager(switches, mark):
     q, kv, meta, *_ = _case("cuda", 3000)
 
     def run(m):
-        o = _attention(q, kv, 1, m, pages_merge)
+        o = _attention(q, kv, 1, m, switches)
         return o, o
     graph_replay_equals_eager(run, meta)
 
 
 @pytest.mark.parametrize("ctx", [17, 4097, 70001])
-@pytest.mark.parametrize("pages_merge", SWITCHES)
+@pytest.mark.parametrize("switches", SWITCHES)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
-def test_cuda_segment_switches_equal_the_shipped_build(ctx, pages_merge, mark):
+def test_cuda_segment_switches_equal_the_shipped_build(ctx, switches, mark):
     """The segment (attention + o_proj, a PDL launch as shipped) with each switch: within the
-    Triton path's bounds of the shipped build, bit-equal with the tagged merge alone; graph
-    replay == eager."""
+    Triton path's bounds of the shipped build, bit-equal with the tagged merge or the unrolled
+    loop alone; graph replay == eager."""
     q, kv, meta, w, res, gam = _case("cuda", ctx, seed=ctx)
 
     def run(v, m=meta):
         return ds.decode_segment(q, kv, 1, m, sm_scale=128 ** -0.5, weight=w, residual=res,
                                  norm_weight=gam, eps=1e-6, _variant=ds.VARIANT[:4] + v)
-    x0, h0, _ = run((0, 0))
-    x, h, _ = run(pages_merge)
-    if pages_merge == (0, 1):
+    x0, h0, _ = run((0, 0, 0))
+    x, h, _ = run(switches)
+    if switches in ((0, 1, 0), (0, 0, 1)):
         assert torch.equal(h, h0) and torch.equal(x, x0)
     torch.testing.assert_close(h.float(), h0.float(), atol=3e-2, rtol=2e-2)
     if ctx == 4097:
-        graph_replay_equals_eager(lambda m: run(pages_merge, m), meta)
+        graph_replay_equals_eager(lambda m: run(switches, m), meta)
 
 
 def test_variant_from_the_environment(monkeypatch):
