@@ -112,21 +112,28 @@ def test_decode_segment_benchmark_switches_compile(switches):
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("switches", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1)])
-def test_decode_attention_switches_compile(shape, switches):
-    """``decode_attention``'s build with pages dealt round robin, the tagged merge, the page
-    loop two pages per trip: no grid barrier's wait where the merge polls, the partials stored
-    and loaded as whole 64-bit words through L2 (merged in chunks of <= 16 splits), the
-    loop's 16 products twice where it is unrolled."""
-    nkv, group = shape[:2]
+@pytest.mark.parametrize("attn_only", [True, False])
+def test_decode_switches_compile(shape, switches, attn_only):
+    """Both builds (``decode_attention``'s and the segment as shipped otherwise) with pages
+    dealt round robin, the tagged merge, the page loop two pages per trip, in every decode
+    shape, without spills: where the merge polls, no grid barrier's wait before it (the
+    segment keeps the one before o_proj) and the partials stored and loaded as whole 64-bit
+    words through L2 (merged in chunks of <= 16 splits); the loop's 16 products twice where it
+    is unrolled."""
+    nkv, group, k_in, n_out = shape
     pages, merge, unroll = switches
-    src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0, pages,
-                      merge, unroll, False, True)
+    if attn_only:
+        src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
+                          pages, merge, unroll, False, True)
+    else:
+        src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, merge, unroll, False)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
     assert ("atom.global.add" in ptx) == bool(merge)
     assert ("st.relaxed.gpu.global.u64" in ptx) == bool(merge)
     assert ("ld.relaxed.gpu.global.u64" in ptx) == bool(merge)
-    assert ("ld.acquire.gpu" in ptx) == (not merge)      # the grid barrier's wait
+    waits = ptx.count("ld.acquire.gpu")      # the grid barriers' waits
+    assert waits == (0 if attn_only else 1) + (not merge)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + unroll)
 
 
