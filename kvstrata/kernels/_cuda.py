@@ -316,8 +316,7 @@ _COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
 
 
 def grid_counter(device: torch.device) -> Tensor:
-    """The current stream's grid-barrier counter on ``device`` (16 int32: ``[0]`` the grid
-    barriers', ``[8]`` the launches' epochs, ``epoch_of`` in :data:`PRELUDE`)."""
+    """The current stream's grid-barrier counter on ``device``."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     c = _COUNTERS.get(key)
     if c is None:
@@ -325,8 +324,8 @@ def grid_counter(device: torch.device) -> Tensor:
     return c
 
 
-#: Epoch-tagged words per (device, stream), like the counters: zeros at first (no launch's
-#: epoch is 0), written only by launches on their stream, never freed.
+#: Epoch-tagged words per (device, stream), like the counters: zeros at first, written only by
+#: launches on their stream, never freed.
 _WORDS: dict[tuple[torch.device, int], Tensor] = {}
 #: words a stream's workspace holds: the decode segment's partials at most (splits x query
 #: heads = 128 x query heads per KV head <= 1024 rows of 128 values, and their log-sum-exps)
@@ -334,13 +333,17 @@ EPOCH_WORDS = BLOCKS * 8 * 129
 
 
 def epoch_words(device: torch.device) -> Tensor:
-    """The current stream's workspace of :data:`EPOCH_WORDS` int64 words on ``device``, for
-    values written with their launch's epoch (``tag`` in :data:`PRELUDE`) and polled by other
-    blocks of the launch instead of meeting at a grid barrier."""
+    """The current stream's workspace on ``device``: int64 word 0 the launches' epoch counter
+    (``epoch_of`` in :data:`PRELUDE`), then :data:`EPOCH_WORDS` words for values written with
+    their launch's epoch (``tag``) and polled by other blocks of the launch instead of meeting
+    at a grid barrier. The counter lives with the words it tags, so whatever zeroes one zeroes
+    both (a workspace first made inside a CUDA-graph capture is zeroed by every replay of that
+    graph): a word can only carry an epoch issued since the words were last zeroed, never a
+    recurring one."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     w = _WORDS.get(key)
     if w is None:
-        w = _WORDS[key] = torch.zeros(EPOCH_WORDS, dtype=torch.int64, device=device)
+        w = _WORDS[key] = torch.zeros(1 + EPOCH_WORDS, dtype=torch.int64, device=device)
     return w
 
 

@@ -270,9 +270,11 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
 #if MERGE
-    // this launch's epoch (its round trip hidden behind the pages)
+    // this launch's epoch from the counter in the words' first 8 bytes (its round trip hidden
+    // behind the pages); the partials' words after it
     u32 ep_old = 0;
-    if (tid == 0) ep_old = atomicAdd(ctr + 8, 1u);
+    if (tid == 0) ep_old = atomicAdd((u32*)words, 1u);
+    words += 1;
 #endif
     // the epilogue's inputs for this warp's rows (read now; under PDL after the wait)
     float rres[RPW], rgam[RPW];

@@ -270,7 +270,9 @@ def test_cuda_attention_switches_equal_the_shipped_build(ctx, shape, switches, m
 def test_cuda_tagged_merge_never_reads_a_previous_launch(switches, mark):
     """Launches that alternate between two layers (different K/V, the same words workspace)
     each equal a launch of the shipped build on their own layer, eager and in a graph of
-    both: a word of the previous launch is never taken for this launch's."""
+    four (captured on a new stream, so its workspace and epoch counter are made, and zeroed,
+    inside the graph), replayed between eager launches: a word of an earlier launch is never
+    taken for this launch's."""
     q, kv, meta, *_ = _case("cuda", 5000, seed=3)
     want = [_attention(q, kv, layer, meta, (switches[0], 0, switches[2])) for layer in (0, 1)]
     for _ in range(4):
@@ -278,12 +280,13 @@ def test_cuda_tagged_merge_never_reads_a_previous_launch(switches, mark):
             assert torch.equal(_attention(q, kv, layer, meta, switches), want[layer])
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
         outs = [_attention(q, kv, layer, meta, switches) for layer in (0, 1, 0, 1)]
     for _ in range(3):
         g.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(o, want[i % 2]) for i, o in enumerate(outs))
+        assert torch.equal(_attention(q, kv, 1, meta, switches), want[1])
 
 
 @pytest.mark.parametrize("switches", SWITCHES)
