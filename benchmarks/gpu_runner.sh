@@ -26,9 +26,9 @@
 # benchmarks/dataflow_chain.py (DATAFLOW_ARGS, e.g. "--sg 16"); segment:
 # benchmarks/segment_proto.py (attention + o_proj in one launch; SEG_ARGS); cap: batch-1 decode
 # attention at 32k-128k with the CUDA launch capped at 32k (Triton past it), then at 128k;
-# switches: batch-1 decode attention at 1k-64k (the CUDA launch allowed to 128k) with
-# decode_segment's pages / merge / unroll switches (SWITCH_VARIANTS; SWITCH_ROUNDS, default
-# 1 2: alternating processes; SWITCH_CASES). Markdown/logs go to
+# switches: batch-1 decode attention's builds (decode_segment's pages / merge / unroll
+# switches) at 1k-64k against the floor and Triton, one process (decode_switches_bench.py;
+# SWITCH_ARGS, e.g. "--contexts 8192 65536 --rounds 5"). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last
 # TAIL (6) log lines are printed.
 set -uo pipefail
@@ -86,14 +86,8 @@ for s in "${steps[@]}"; do
            python3 benchmarks/attention_bench.py --cases 1x32768,1x65536,1x131072 \
              --decode-segment-cap $cap 2>&1 | grep "^|"
          done > "$OUT/cap.log" 2>&1 ;;
-    switches) for r in ${SWITCH_ROUNDS:-1 2}; do   # pages:merge:unroll, shipped first
-                for v in ${SWITCH_VARIANTS:-0:0:0 0:0:1 1:0:1 0:1:1 1:1:1}; do
-                  echo "== pages:merge:unroll $v (round $r)"
-                  KVSTRATA_DECODE_SEGMENT_VARIANT=16:0:2:1:$v timeout 120 python3 \
-                    benchmarks/attention_bench.py --reps 100 --decode-segment-cap 131072 \
-                    --cases ${SWITCH_CASES:-1x1024,1x8192,1x32768,1x65536} 2>&1 | grep "^| 1 \|^| batch"
-                done
-              done > "$OUT/switches.log" 2>&1 ;;
+    switches) timeout 540 python3 benchmarks/decode_switches_bench.py ${SWITCH_ARGS:-} \
+                --out "$OUT/switches.md" > "$OUT/switches.log" 2>&1 ;;
     attn) python3 benchmarks/runner_bench.py --batches --attn-contexts 1024 8192 32768 \
             --out "$OUT/attn.md" > "$OUT/attn.log" 2>&1 ;;
     bench) python3 benchmarks/runner_bench.py --steps 16 --attn-contexts 8192 32768 \

@@ -1,0 +1,31 @@
+"""benchmarks/decode_switches_bench.py imports and parses on the CPU (the bench itself needs an
+sm_90 GPU: it says so in one line, and a bad variant gets a one-line error)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_switches_bench.py"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True,
+                          timeout=300, cwd=BENCH.parent)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_it_needs_a_gpu():
+    r = _run("--contexts", "1024")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "decode_switches_bench: needs a CUDA device (an sm_90 GPU)"
+
+
+def test_a_bad_variant_is_one_line():
+    r = _run("--variants", "1:2")
+    assert r.returncode == 1
+    assert r.stderr.strip() == "--variants '1:2': pages:merge:unroll, each 0 or 1, e.g. 1:1:1"
