@@ -299,13 +299,11 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const int L = *seq_len_p, hi = L, pend = (L + 15) / 16;
     const int npw = pend > p0 ? (pend - p0 + pstep - 1) / pstep : 0;
 #else
-    // split sidx: a contiguous run of T tokens; this warp's pages p0, p0 + NW, ...
+    // split sidx: a contiguous run of T tokens
     const int L = *seq_len_p;
     int T = (L + SPLITS - 1) / SPLITS;
     T = (T + 15) & ~15;
     const int lo = sidx * T, hi = min(lo + T, L);
-    const int p0 = lo / 16 + warp, pstep = NW, pend = (hi + 15) / 16;
-    const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
 #endif
     const int r4 = lane >> 2, t4 = lane & 3;
     v4 qv[4];
@@ -323,6 +321,8 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     const bf16_t* kbase = kv + layer_off + (long long)h * s_head;
     // this warp's pages p0, p0 + pstep, ...; their ids 32 at a time, one per lane
 #if !PAGES
+    const int p0 = lo / 16 + warp, pstep = NW, pend = (hi + 15) / 16;
+    const int npw = hi > lo && pend > p0 ? (pend - p0 + NW - 1) / NW : 0;
     int btl = lane < npw ? bt[p0 + lane * pstep] : 0;
 #endif
     v4 kr[8], vr[8];
@@ -405,13 +405,13 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             }
         }
         const int row = sidx * NKV * GROUP + GROUP * h + g;
-        const float po = sum > 0.f ? val / sum : 0.f, pl = sum > 0.f ? M + log2f(sum) : NEG_INF;
 #if MERGE
+        const float po = sum > 0.f ? val / sum : 0.f, pl = sum > 0.f ? M + log2f(sum) : NEG_INF;
         st_relaxed_u64(words + (size_t)row * 128 + d, tag(po, ep));
         if (d == 0) st_relaxed_u64(words + (size_t)SPLITS * NKV * GROUP * 128 + row, tag(pl, ep));
 #else
-        part_o[(size_t)row * 128 + d] = po;
-        if (d == 0) part_lse[row] = pl;
+        part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
+        if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
 #endif
     }
     STAMP(1)
