@@ -511,6 +511,12 @@ def _env_variant() -> tuple[int, ...]:
     return variant(os.environ.get(VARIANT_ENV, ""), VARIANT, VARIANT_ENV)
 
 
+def _switches(given: tuple[int, ...] | None) -> tuple[int, ...]:
+    """A launch's switches: ``given`` (those left out as :data:`VARIANT`), else the
+    environment's."""
+    return tuple(given) + VARIANT[len(given):] if given else _env_variant()
+
+
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
            rlate: int = 2, pdl: int = 0, pages: int = 0, merge: int = 0, unroll: int = 0,
            stamps: bool = False, attn_only: bool = False) -> str:
@@ -637,7 +643,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
         raise ValueError(f"decode_segment: residual {tuple(residual.shape)} and norm weight "
                          f"{tuple(norm_weight.shape)} must be [1, {n}] and [{n}]")
     dev = q.device
-    v = tuple(_variant) + VARIANT[len(_variant):] if _variant else _env_variant()
+    v = _switches(_variant)
     kern = _kernel(dev, hkv, hq // hkv, k_in, n, v, _stamps is not None)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
@@ -695,7 +701,7 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     apply)."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
-    v = tuple(_variant) + VARIANT[len(_variant):] if _variant else _env_variant()
+    v = _switches(_variant)
     kern = _attn_kernel(dev, hkv, hq // hkv, *v[4:])
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
