@@ -549,7 +549,7 @@ def main(argv=None) -> int:
                     help="sweep: processes compiling the kernel variants first (0: none)")
     ap.add_argument("--decode-segment-cap", type=int, default=None, metavar="TOKENS",
                     help="batch-1 decode attention runs the CUDA launch up to this many tokens "
-                         "(decode_segment.ATTENTION_MAX_CONTEXT, shipped 32768) in this run")
+                         "(decode_segment.ATTENTION_MAX_CONTEXT) in this run")
     args = ap.parse_args(argv)
     if args.decode_segment_cap is not None:
         from kvstrata.kernels import decode_segment

@@ -3,14 +3,14 @@ builds of its switches, against the read floor and the Triton kernel, in one pro
 
     python benchmarks/decode_switches_bench.py [--contexts 1024 8192 ...] [--variants 0:0:0 ...]
 
-A variant is ``pages:merge:unroll`` (:func:`kvstrata.kernels.decode_segment.source`). Per
+A variant is ``pages:unroll`` (:func:`kvstrata.kernels.decode_segment.source`). Per
 context one layer of a shuffled paged pool (``attention_bench.make_kv``: bf16, GQA 32/8, 128-dim
 heads, 16-token pages); the read floor (``attention_bench.read_floor``, the issue's
 single-launch floor) and the Triton kernel measured once, then ``--rounds`` rounds over the
 variants in turn (each round's order rotated), each a CUDA-graph replay timed with CUDA events
 with the L2 flushed before each run (median of ``--reps``). Each variant's output is checked
-against the shipped build's (bit-equal where the switches keep the sums, else within the
-Triton kernel's distance from the shipped build). Prints a markdown table: per variant the
+against the shipped build's (bit-equal where the pages per split are the same, else within
+the Triton kernel's distance from the shipped build). Prints a markdown table: per variant the
 median over rounds, its spread, and its ratio to the floor.
 """
 
@@ -29,30 +29,30 @@ from kvstrata.kernels import decode_segment as ds
 from kvstrata.kernels.attention_plan import plan_attention
 from kvstrata.kernels.attention_triton import paged_attention_triton
 
-SHIPPED = "0:0:0"
+SHIPPED = ds.VARIANT[4:]
 
 
-def parse_variant(text: str) -> tuple[int, int, int]:
+def parse_variant(text: str) -> tuple[int, int]:
     try:
         v = tuple(int(x) for x in text.split(":"))
     except ValueError:
         v = ()
-    if len(v) != 3 or any(x not in (0, 1) for x in v):
-        raise SystemExit(f"--variants {text!r}: pages:merge:unroll, each 0 or 1, e.g. 1:1:1")
+    if len(v) != 2 or any(x not in (0, 1) for x in v):
+        raise SystemExit(f"--variants {text!r}: pages:unroll, each 0 or 1, e.g. 0:1")
     return v
 
 
-def bit_equal_to_shipped(v: tuple[int, int, int]) -> bool:
-    """The switches that keep the shipped build's sums: the unrolled loop (same products, same
-    order) and the tagged merge (one chunk at 16 splits per KV head, as here)."""
-    return v[0] == 0
+def bit_equal_to_shipped(v: tuple[int, int]) -> bool:
+    """The builds that keep the shipped build's sums: the same pages per split (the loop's
+    unrolling keeps the products and their order)."""
+    return v[0] == SHIPPED[0]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 65536])
     ap.add_argument("--variants", nargs="+",
-                    default=[SHIPPED, "0:0:1", "1:0:1", "0:1:1", "1:1:1"])
+                    default=["0:0", "0:1", "1:0", "1:1"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--out", default=None, help="also write the table here")
@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     variants = [parse_variant(v) for v in args.variants]
     if not torch.cuda.is_available():
         raise SystemExit("decode_switches_bench: needs a CUDA device (an sm_90 GPU)")
-    if (0, 0, 0) not in variants:
-        variants.insert(0, (0, 0, 0))
+    if SHIPPED not in variants:
+        variants.insert(0, SHIPPED)
     device = torch.device("cuda")
     timer = Timer(device, args.reps)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16, GQA {HQ}/8, page {PAGE}, shuffled page table; CUDA-graph replay, L2 flushed "
         f"before each run, CUDA-event median of {args.reps}; {args.rounds} rounds over the "
         "variants (order rotated each round); a variant's cell: median over rounds (min-max), "
-        "x floor. Variant = pages:merge:unroll.", "",
+        "x floor. Variant = pages:unroll.", "",
         "| context | floor us | Triton us | "
-        + " | ".join(":".join(map(str, v)) + (" (shipped)" if v == (0, 0, 0) else "")
+        + " | ".join(":".join(map(str, v)) + (" (shipped)" if v == SHIPPED else "")
                      for v in variants) + " |",
         "|---:|---:|---:|" + "---|" * len(variants)]
     for ctx in args.contexts:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         def run(v):
             return ds.decode_attention(q, kv, 0, meta, sm_scale=scale,
                                        _variant=ds.VARIANT[:4] + v)
-        shipped = run((0, 0, 0))
+        shipped = run(SHIPPED)
         tol = (tri.float() - shipped.float()).abs().max().item()
         times: dict[tuple, list[float]] = {v: [] for v in variants}
         for r in range(args.rounds):

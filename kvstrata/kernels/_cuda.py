@@ -104,27 +104,6 @@ __device__ __forceinline__ void grid_barrier_by(u32* ctr, int leader) {
     __syncthreads();
 }
 __device__ __forceinline__ void grid_barrier(u32* ctr) { grid_barrier_by(ctr, 0); }
-// The launch's epoch (1 .. 2**25, never 0): every block adds 1 to a counter that only grows
-// (launches on a stream do not overlap, so a launch's 128 additions are consecutive) and takes
-// the launch's index. A value written with its epoch in one aligned 64-bit word is read whole
-// (single-copy atomic): a reader that sees the epoch sees the value, with no fence or barrier.
-__device__ __forceinline__ u32 epoch_of(u32 old) { return old / gridDim.x + 1u; }
-__device__ __forceinline__ u64 tag(float v, u32 epoch) {
-    return ((u64)epoch << 32) | __float_as_uint(v);
-}
-__device__ __forceinline__ u64 ld_relaxed_u64(const u64* p) {
-    u64 v;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void st_relaxed_u64(u64* p, u64 v) {
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-// the word at p once it carries this epoch (polled through L2)
-__device__ __forceinline__ float await_tag(const u64* p, u64 w, u32 epoch) {
-    while ((u32)(w >> 32) != epoch) w = ld_relaxed_u64(p);
-    return __uint_as_float((u32)w);
-}
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(bar)), "r"(count));
@@ -322,29 +301,6 @@ def grid_counter(device: torch.device) -> Tensor:
     if c is None:
         c = _COUNTERS[key] = torch.zeros(16, dtype=torch.int32, device=device)
     return c
-
-
-#: Epoch-tagged words per (device, stream), like the counters: zeros at first, written only by
-#: launches on their stream, never freed.
-_WORDS: dict[tuple[torch.device, int], Tensor] = {}
-#: words a stream's workspace holds: the decode segment's partials at most (splits x query
-#: heads = 128 x query heads per KV head <= 1024 rows of 128 values, and their log-sum-exps)
-EPOCH_WORDS = BLOCKS * 8 * 129
-
-
-def epoch_words(device: torch.device) -> Tensor:
-    """The current stream's workspace on ``device``: int64 word 0 the launches' epoch counter
-    (``epoch_of`` in :data:`PRELUDE`), then :data:`EPOCH_WORDS` words for values written with
-    their launch's epoch (``tag``) and polled by other blocks of the launch instead of meeting
-    at a grid barrier. The counter lives with the words it tags, so whatever zeroes one zeroes
-    both (a workspace first made inside a CUDA-graph capture is zeroed by every replay of that
-    graph): a word can only carry an epoch issued since the words were last zeroed, never a
-    recurring one."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    w = _WORDS.get(key)
-    if w is None:
-        w = _WORDS[key] = torch.zeros(1 + EPOCH_WORDS, dtype=torch.int64, device=device)
-    return w
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,9 @@ both as one launch of 128 blocks, one per SM, all resident (a cooperative launch
    (they depend on nothing) once its warp 0 has issued the loads of its last K/V page (issued
    among the pages they slowed the pages at 8k: docs/benchmarks.md, twentieth runner session);
 2. each block computes one (KV head, split) of split-KV attention (``128 / num_kv_heads`` splits
-   per head; 8 warps over the split's pages, the next page's K/V loaded while one is computed,
+   per head; the pages dealt round robin to the splits' warps, warp w of split s taking pages
+   s + splits * (w + 8 k), their first 32 ids read beside the sequence length; the page loop
+   two pages per trip, the next page's K/V loaded while one is computed,
    each page's two products on tensor cores (``mma`` m16n8k16: K q^T with the tokens as rows
    and the query heads as columns, then V^T P^T, P rounded to bf16 as the Triton kernel rounds
    it), online softmax in float32) and stores the split's normalised partial and its
@@ -54,8 +56,7 @@ import os
 import torch
 from torch import Tensor
 
-from ._cuda import (BLOCKS, PRELUDE, Kernel, compiles, enabled, epoch_words, grid_counter,
-                    variant)
+from ._cuda import BLOCKS, PRELUDE, Kernel, compiles, enabled, grid_counter, variant
 from ._device import pdl_ok
 from .attention_plan import AttentionMetadata
 from .gemv import RowRms
@@ -67,17 +68,20 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, merge, unroll``
-VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, unroll`` (pages dealt
+#: round robin and the page loop unrolled: batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 ->
+#: 19.3 at 8k, 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth
+#: runner session)
+VARIANT = (SMEM_ROWS, 0, 2, 1, 1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
 _LOG2E = math.log2(math.e)
 #: :func:`decode_attention` serves contexts up to this many tokens; longer ones keep the Triton
 #: kernel (32 splits per KV head where this kernel has 16). H200, one layer, cold L2, graph
-#: replay, us, this kernel / Triton: 1k 9.9 / 13.3, 8k 19.7 / 22.1, 16k 30.1 / 33.0, 32k 47.3 /
-#: 50.8 (docs/benchmarks.md, thirty-first runner session).
-ATTENTION_MAX_CONTEXT = 32768
+#: replay, us, this kernel / Triton: 1k 9.4 / 13.3, 8k 19.3 / 22.2, 32k 46.8 / 51.5, 64k 77.6 /
+#: 84.5 (docs/benchmarks.md, thirty-fourth runner session).
+ATTENTION_MAX_CONTEXT = 65536
 
 _SOURCE = r"""
 #define NKV %(nkv)d
@@ -92,9 +96,7 @@ _SOURCE = r"""
 #define STAMPS %(stamps)d
 #define ATTN_ONLY %(attn_only)d
 #define PAGES %(pages)d
-#define MERGE %(merge)d
 #define UNROLL %(unroll)d
-#define CH (SPLITS < 16 ? SPLITS : 16)
 #define NW 8
 #define ROWS (RPW * NW)
 %(prelude)s
@@ -211,43 +213,6 @@ __device__ __forceinline__ float merge_one(const float* part_o, const float* par
     return val / sum;
 }
 
-// merge_one from the partials tagged with this launch's epoch (MERGE 1): each chunk's words are
-// loaded at once and each polled until it carries the epoch; chunks of CH splits merged online
-// (one chunk, and merge_one's sums, at SPLITS <= 16).
-__device__ __forceinline__ float merge_tagged(const u64* words, int qh, int d, u32 ep) {
-    const u64* lw = words + (size_t)SPLITS * NKV * GROUP * 128;
-    float M = NEG_INF, sum = 0.f, val = 0.f;
-#pragma unroll 1
-    for (int s0 = 0; s0 < SPLITS; s0 += CH) {
-        u64 wl[CH], wo[CH];
-        float lse[CH], o[CH], cm = NEG_INF;
-#pragma unroll
-        for (int s = 0; s < CH; ++s) {
-            wl[s] = ld_relaxed_u64(lw + (s0 + s) * NKV * GROUP + qh);
-            wo[s] = ld_relaxed_u64(words + (size_t)((s0 + s) * NKV * GROUP + qh) * 128 + d);
-        }
-#pragma unroll
-        for (int s = 0; s < CH; ++s) {
-            lse[s] = await_tag(lw + (s0 + s) * NKV * GROUP + qh, wl[s], ep);
-            o[s] = await_tag(words + (size_t)((s0 + s) * NKV * GROUP + qh) * 128 + d, wo[s], ep);
-            cm = fmaxf(cm, lse[s]);
-        }
-        const float mn = fmaxf(M, cm);
-        if (mn == NEG_INF) continue;
-        const float a = exp2f(M - mn);
-        sum *= a;
-        val *= a;
-#pragma unroll
-        for (int s = 0; s < CH; ++s) {
-            const float e = exp2f(lse[s] - mn);
-            sum += e;
-            val += e * o[s];
-        }
-        M = mn;
-    }
-    return sum > 0.f ? val / sum : 0.f;
-}
-
 extern "C" __global__ void __launch_bounds__(NW * 32, 1)
 decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long long layer_off,
                long long s_page, long long s_kv, long long s_head,
@@ -256,7 +221,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                const bf16_t* __restrict__ gam, bf16_t* __restrict__ out,
                bf16_t* __restrict__ hout, float* __restrict__ ss_out, float* part_o,
                float* part_lse, bf16_t* xbuf, u32* ctr, float qk_scale, u64* stamps,
-               int bt_w, u64* words) {
+               int bt_w) {
     extern __shared__ __align__(128) unsigned char smem[];
     bf16_t* wsm = (bf16_t*)smem;                                        // RS rows of W
     float* red = (float*)(smem + RS * K_IN * 2);                       // [NW][GROUP][128]
@@ -264,18 +229,10 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     float* red_l = red_m + NW * GROUP;
     float* ssw = red_l + NW * GROUP;                                    // [NW]
     u64* bar = (u64*)(ssw + NW);
-    u32* ep_sm = (u32*)(bar + 1);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = blockIdx.x;
     const unsigned FULL = 0xffffffffu;
     STAMP(0)
-#if MERGE
-    // this launch's epoch from the counter in the words' first 8 bytes (its round trip hidden
-    // behind the pages); the partials' words after it
-    u32 ep_old = 0;
-    if (tid == 0) ep_old = atomicAdd((u32*)words, 1u);
-    words += 1;
-#endif
     // the epilogue's inputs for this warp's rows (read now; under PDL after the wait)
     float rres[RPW], rgam[RPW];
 #define LOAD_RES() _Pragma("unroll") for (int rr = 0; rr < RPW; ++rr) { \
@@ -385,13 +342,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             if (r4 == 0) { red_m[warp * GROUP + g] = m[c]; red_l[warp * GROUP + g] = l[c]; }
         }
     }
-#if MERGE
-    if (tid == 0) *ep_sm = epoch_of(ep_old);
-#endif
     __syncthreads();
-#if MERGE
-    const u32 ep = *ep_sm;
-#endif
     for (int o = tid; o < GROUP * 128; o += NW * 32) {
         const int g = o >> 7, d = o & 127;
         float M = NEG_INF;
@@ -405,22 +356,13 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
             }
         }
         const int row = sidx * NKV * GROUP + GROUP * h + g;
-#if MERGE
-        const float po = sum > 0.f ? val / sum : 0.f, pl = sum > 0.f ? M + log2f(sum) : NEG_INF;
-        st_relaxed_u64(words + (size_t)row * 128 + d, tag(po, ep));
-        if (d == 0) st_relaxed_u64(words + (size_t)SPLITS * NKV * GROUP * 128 + row, tag(pl, ep));
-#else
         part_o[(size_t)row * 128 + d] = sum > 0.f ? val / sum : 0.f;
         if (d == 0) part_lse[row] = sum > 0.f ? M + log2f(sum) : NEG_INF;
-#endif
     }
     STAMP(1)
 
-    // 3. every partial stored (MERGE 1: each merging thread waits for the words it reads):
-    // blocks 0 .. NKV * GROUP - 1 merge one query head each
-#if !MERGE
+    // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
     grid_barrier(ctr);
-#endif
 #if RREG
     // every block's attention is done: this warp's rows past RS into registers now
     v4 wg[RPW - RS / NW][K_IN / 256];
@@ -433,11 +375,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 #endif
     STAMP(2)
     for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
-#if MERGE
-        xbuf[c * 128 + o] = to_bf(merge_tagged(words, c, o, ep));
-#else
         xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
-#endif
     STAMP(3)
 #if ATTN_ONLY
     return;   // xbuf is the attention output [NKV * GROUP, 128]
@@ -518,7 +456,7 @@ def _switches(given: tuple[int, ...] | None) -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pdl: int = 0, pages: int = 0, merge: int = 0, unroll: int = 0,
+           rlate: int = 2, pdl: int = 0, pages: int = 0, unroll: int = 0,
            stamps: bool = False, attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
@@ -526,9 +464,7 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
     dependent launch, the first page's loads issued before the wait; ``pages``: each split a
     contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
-    first ids read beside the length instead of after it (1); ``merge``: the partials meet at
-    a grid barrier (0) or are written with the launch's epoch and polled by the merging
-    blocks (1); ``unroll``: the page loop one page per trip, the next page's buffers copied
+    first ids read beside the length instead of after it (1); ``unroll``: the page loop one page per trip, the next page's buffers copied
     to the current ones (0: the copy waits for the next page's loads), or two pages per trip
     with the buffers' roles swapped (1: the same products in the same order);
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
@@ -538,24 +474,24 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
                       "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
-                      "pages": int(pages), "merge": int(merge), "unroll": int(unroll),
+                      "pages": int(pages), "unroll": int(unroll),
                       "stamps": int(stamps),
                       "attn_only": int(attn_only)}
 
 
 def smem_bytes(group: int, k_in: int, rs: int) -> int:
-    """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states, the mbarrier
-    and the launch's epoch."""
+    """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states and the
+    mbarrier."""
     return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          pdl: int, pages: int, merge: int, unroll: int, stamps: bool,
+          pdl: int, pages: int, unroll: int, stamps: bool,
           attn_only: bool = False) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, merge, unroll,
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, unroll,
                   stamps, attn_only), rs
 
 
@@ -633,7 +569,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, merge``, those left out as
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, unroll``, those left out as
     shipped; ``None``: :data:`VARIANT` or what ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and
     ``_stamps``
     (int64, ``BLOCKS * 16``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
@@ -658,7 +594,7 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
           norm_weight.contiguous(), out, h, ss, part_o, part_lse, xbuf, grid_counter(dev),
           ctypes.c_float(sm_scale * _LOG2E),
           _stamps if _stamps is not None else ctypes.c_void_p(0),
-          ctypes.c_int32(meta.block_tables.shape[1]), epoch_words(dev)],
+          ctypes.c_int32(meta.block_tables.shape[1])],
          pdl=bool(v[3]) and pdl_ok(dev, "segment"))
     return out, h, RowRms(ss, n, eps)
 
@@ -675,18 +611,18 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
     return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *_env_variant()[4:])
 
 
-def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, merge: int,
-                 unroll: int) -> Kernel:
+def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int
+                 ) -> Kernel:
     """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
-    ``pages``, ``merge`` and ``unroll`` as :func:`source` says."""
+    ``pages`` and ``unroll`` as :func:`source` says."""
     return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS,
-                   (0, 0, 2, 0, pages, merge, unroll), stamps=False, attn_only=True)
+                   (0, 0, 2, 0, pages, unroll), stamps=False, attn_only=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, merge: int,
-                   unroll: int) -> bool:
-    return compiles(lambda: _attn_kernel(device, nkv, group, pages, merge, unroll),
+def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, unroll: int
+                   ) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group, pages, unroll),
                     f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
                     f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
 
@@ -697,7 +633,7 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, merge, unroll``
+    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, unroll``
     apply)."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
@@ -712,7 +648,7 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     kern([q, kv_cache, ctypes.c_int64(layer * s[1]), ctypes.c_int64(s[0]), ctypes.c_int64(s[2]),
           ctypes.c_int64(s[3]), meta.block_tables, meta.seq_lens, null, null, null, null, null,
           null, part_o, part_lse, out, grid_counter(dev), ctypes.c_float(sm_scale * _LOG2E),
-          null, ctypes.c_int32(meta.block_tables.shape[1]), epoch_words(dev)])
+          null, ctypes.c_int32(meta.block_tables.shape[1])])
     return out
 
 

@@ -77,19 +77,19 @@ DECODE_SHAPES = [(8, 4, 4096, 4096), (8, 2, 2048, 2048), (2, 4, 1024, 1024)]
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_decode_segment_compiles(shape):
     """Each page's two attention products run on tensor cores: 8 ``mma`` for K q^T and 8 for
-    V^T P^T, in the loop body once (the page loop is not unrolled)."""
+    V^T P^T, in the loop body twice (the page loop takes two pages per trip)."""
     src, _ = ds.build(*shape, *ds.VARIANT, False)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16
+    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 32
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 def test_decode_attention_alone_compiles(shape):
     """``decode_attention``'s build: phases 2-3 only (no o_proj rows, no second barrier)."""
     nkv, group = shape[:2]
-    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0, 0, 0,
-                       0, False, True)
+    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
+                       *ds.VARIANT[4:], False, True)
     assert rs == 0 and "#define ATTN_ONLY 1" in src
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
@@ -98,42 +98,37 @@ def test_decode_attention_alone_compiles(shape):
 
 
 @pytest.mark.parametrize("switches", [
-    (24, 1, 0, 1, 0, 0, 0, True), (16, 0, 1, 0, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, 0, False),
-    (16, 0, 2, 1, 1, 1, 1, False), (16, 0, 2, 1, 1, 0, 0, True), (16, 0, 2, 1, 0, 1, 0, False),
-    (16, 0, 2, 1, 0, 0, 1, False)])
+    (24, 1, 0, 1, 0, 0, True), (16, 0, 1, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, False),
+    (16, 0, 2, 1, 1, 0, True), (16, 0, 2, 1, 0, 1, False)])
 def test_decode_segment_benchmark_switches_compile(switches):
     """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
-    start points, no rows in shared memory, the PDL launch, pages dealt round robin, partials
-    tagged with the launch's epoch, the page loop two pages per trip, the phase timestamps."""
+    start points, no rows in shared memory, the PDL launch, each split's pages contiguous or
+    its loop one page per trip, the phase timestamps."""
     src, rs = ds.build(8, 4, 4096, 4096, *switches)
     assert rs == switches[0]
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
-@pytest.mark.parametrize("switches", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 1)])
+@pytest.mark.parametrize("switches", [(0, 0), (1, 0), (0, 1), (1, 1)])
 @pytest.mark.parametrize("attn_only", [True, False])
 def test_decode_switches_compile(shape, switches, attn_only):
-    """Both builds (``decode_attention``'s and the segment as shipped otherwise) with pages
-    dealt round robin, the tagged merge, the page loop two pages per trip, in every decode
-    shape, without spills: where the merge polls, no grid barrier's wait before it (the
-    segment keeps the one before o_proj) and the partials stored and loaded as whole 64-bit
-    words through L2 (merged in chunks of <= 16 splits); the loop's 16 products twice where it
-    is unrolled."""
+    """Both builds (``decode_attention``'s and the segment as shipped otherwise) with each
+    split's pages contiguous or dealt round robin, the page loop one or two pages per trip, in
+    every decode shape, without spills: one grid barrier before the merge (the segment has a
+    second one before o_proj); the loop's 16 products twice where it is unrolled."""
     nkv, group, k_in, n_out = shape
-    pages, merge, unroll = switches
+    pages, unroll = switches
     if attn_only:
         src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
-                          pages, merge, unroll, False, True)
+                          pages, unroll, False, True)
     else:
-        src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, merge, unroll, False)
+        src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, unroll, False)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
-    assert ("atom.global.add" in ptx) == bool(merge)
-    assert ("st.relaxed.gpu.global.u64" in ptx) == bool(merge)
-    assert ("ld.relaxed.gpu.global.u64" in ptx) == bool(merge)
+    assert "atom.global.add" not in ptx
     waits = ptx.count("ld.acquire.gpu")      # the grid barriers' waits
-    assert waits == (0 if attn_only else 1) + (not merge)
+    assert waits == (1 if attn_only else 2)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + unroll)
 
 
