@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -178,10 +177,9 @@ def bench_case(timer: Timer, device: torch.device, batch: int, ctx: int, verify_
 def render(rows: list[dict], ceiling: float, device: torch.device, reps: int) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     from kvstrata.kernels import decode_segment as ds
-    switches = os.environ.get(ds.VARIANT_ENV)
     impl = (f"Triton; batch-1 decode up to {ds.ATTENTION_MAX_CONTEXT} tokens on sm_90: the CUDA "
-            "launch of `decode_segment.decode_attention`"
-            + (f" ({ds.VARIANT_ENV}={switches})" if switches else "")
+            "launch of `decode_segment.decode_attention` (pages:unroll "
+            f"{':'.join(map(str, ds.ATTENTION_VARIANT))})"
             if device.type == "cuda" else "torch reference")
     timing = ("CUDA events, L2 flushed before each" if device.type == "cuda"
               else "perf_counter, CPU smoke test: not a performance figure")

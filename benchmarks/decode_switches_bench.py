@@ -29,7 +29,7 @@ from kvstrata.kernels import decode_segment as ds
 from kvstrata.kernels.attention_plan import plan_attention
 from kvstrata.kernels.attention_triton import paged_attention_triton
 
-SHIPPED = ds.VARIANT[4:]
+SHIPPED = ds.ATTENTION_VARIANT
 
 
 def parse_variant(text: str) -> tuple[int, int]:
@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                      sm_scale=scale))
 
         def run(v):
-            return ds.decode_attention(q, kv, 0, meta, sm_scale=scale,
-                                       _variant=ds.VARIANT[:4] + v)
+            return ds.decode_attention(q, kv, 0, meta, sm_scale=scale, _variant=v)
         shipped = run(SHIPPED)
         tol = (tri.float() - shipped.float()).abs().max().item()
         times: dict[tuple, list[float]] = {v: [] for v in variants}

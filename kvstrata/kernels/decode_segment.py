@@ -1,7 +1,8 @@
 """Batch-1 decode: attention and the o_proj product in one persistent launch (Hopper, CUDA C++).
 
 (:func:`decode_attention` is phases 2-3 alone: batch-1 decode attention in one launch, what
-:func:`~.attention.paged_attention` runs for it on such a GPU.)
+:func:`~.attention.paged_attention` runs for it on such a GPU, built with the pages dealt round
+robin and the page loop unrolled, :data:`ATTENTION_VARIANT`.)
 
 At batch 1 a decoder layer's attention reads ~1 MB of K/V per 1k tokens and takes ~12 us in a
 step, nearly all latency, and o_proj (``gemv_add_norm``) cannot start streaming its weights until
@@ -13,9 +14,7 @@ both as one launch of 128 blocks, one per SM, all resident (a cooperative launch
    (they depend on nothing) once its warp 0 has issued the loads of its last K/V page (issued
    among the pages they slowed the pages at 8k: docs/benchmarks.md, twentieth runner session);
 2. each block computes one (KV head, split) of split-KV attention (``128 / num_kv_heads`` splits
-   per head; the pages dealt round robin to the splits' warps, warp w of split s taking pages
-   s + splits * (w + 8 k), their first 32 ids read beside the sequence length; the page loop
-   two pages per trip, the next page's K/V loaded while one is computed,
+   per head; 8 warps over the split's pages, the next page's K/V loaded while one is computed,
    each page's two products on tensor cores (``mma`` m16n8k16: K q^T with the tokens as rows
    and the query heads as columns, then V^T P^T, P rounded to bf16 as the Triton kernel rounds
    it), online softmax in float32) and stores the split's normalised partial and its
@@ -68,11 +67,14 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, unroll`` (pages dealt
-#: round robin and the page loop unrolled: batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 ->
-#: 19.3 at 8k, 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth
-#: runner session)
-VARIANT = (SMEM_ROWS, 0, 2, 1, 1, 1)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, unroll`` (the last two
+#: as :data:`ATTENTION_VARIANT` made the plain decode step no faster: docs/benchmarks.md,
+#: thirty-fourth runner session)
+VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0)
+#: :func:`decode_attention`'s ``pages, unroll``: the pages dealt round robin and the page loop
+#: two pages per trip (batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 -> 19.3 at 8k, 47.9 ->
+#: 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session)
+ATTENTION_VARIANT = (1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -80,8 +82,9 @@ _LOG2E = math.log2(math.e)
 #: :func:`decode_attention` serves contexts up to this many tokens; longer ones keep the Triton
 #: kernel (32 splits per KV head where this kernel has 16). H200, one layer, cold L2, graph
 #: replay, us, this kernel / Triton: 1k 9.4 / 13.3, 8k 19.3 / 22.2, 32k 46.8 / 51.5, 64k 77.6 /
-#: 84.5 (docs/benchmarks.md, thirty-fourth runner session).
-ATTENTION_MAX_CONTEXT = 65536
+#: 84.5; 128k 137.2 / 152.0 (``attention_bench.py``); docs/benchmarks.md, thirty-fourth runner
+#: session. Longer contexts were not measured.
+ATTENTION_MAX_CONTEXT = 131072
 
 _SOURCE = r"""
 #define NKV %(nkv)d
@@ -608,7 +611,7 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
             <= ATTENTION_MAX_CONTEXT and attention_shapes_ok(q, kv_cache, meta, sliding_window)):
         return False
     hkv = kv_cache.shape[3]
-    return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *_env_variant()[4:])
+    return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *ATTENTION_VARIANT)
 
 
 def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int
@@ -633,12 +636,11 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order. ``_variant``: as :func:`decode_segment`'s (only ``pages, unroll``
-    apply)."""
+    summation order. ``_variant``: ``pages, unroll`` (:func:`source`) for tests and benchmarks;
+    ``None``: :data:`ATTENTION_VARIANT`."""
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
-    v = _switches(_variant)
-    kern = _attn_kernel(dev, hkv, hq // hkv, *v[4:])
+    kern = _attn_kernel(dev, hkv, hq // hkv, *(_variant or ATTENTION_VARIANT))
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)
@@ -652,5 +654,5 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     return out
 
 
-__all__ = ["SEGMENT_ENV", "attention_shapes_ok", "decode_attention", "decode_attention_ok",
+__all__ = ["ATTENTION_VARIANT", "SEGMENT_ENV", "attention_shapes_ok", "decode_attention", "decode_attention_ok",
            "decode_segment", "decode_segment_ok", "segment_shapes_ok"]
