@@ -3,7 +3,7 @@ builds of its switches, against the read floor and the Triton kernel, in one pro
 
     python benchmarks/decode_switches_bench.py [--contexts 1024 8192 ...] [--variants 0:0:0 ...]
 
-A variant is ``pages:unroll`` (:func:`kvstrata.kernels.decode_segment.source`). Per
+A variant is ``pages:unroll[:hwait]`` (:func:`kvstrata.kernels.decode_segment.source`). Per
 context one layer of a shuffled paged pool (``attention_bench.make_kv``: bf16, GQA 32/8, 128-dim
 heads, 16-token pages); the read floor (``attention_bench.read_floor``, the issue's
 single-launch floor) and the Triton kernel measured once, then ``--rounds`` rounds over the
@@ -32,19 +32,19 @@ from kvstrata.kernels.attention_triton import paged_attention_triton
 SHIPPED = ds.ATTENTION_VARIANT
 
 
-def parse_variant(text: str) -> tuple[int, int]:
+def parse_variant(text: str) -> tuple[int, ...]:
     try:
         v = tuple(int(x) for x in text.split(":"))
     except ValueError:
         v = ()
-    if len(v) != 2 or any(x not in (0, 1) for x in v):
-        raise SystemExit(f"--variants {text!r}: pages:unroll, each 0 or 1, e.g. 0:1")
-    return v
+    if len(v) not in (2, 3) or any(x not in (0, 1) for x in v):
+        raise SystemExit(f"--variants {text!r}: pages:unroll[:hwait], each 0 or 1, e.g. 0:1")
+    return v + SHIPPED[len(v):]
 
 
-def bit_equal_to_shipped(v: tuple[int, int]) -> bool:
+def bit_equal_to_shipped(v: tuple[int, ...]) -> bool:
     """The builds that keep the shipped build's sums: the same pages per split (the loop's
-    unrolling keeps the products and their order)."""
+    unrolling and the merge's wait keep the products and their order)."""
     return v[0] == SHIPPED[0]
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 65536])
     ap.add_argument("--variants", nargs="+",
-                    default=["0:0", "0:1", "1:0", "1:1"])
+                    default=["0:0:0", "1:1:0", "1:1:1"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--out", default=None, help="also write the table here")
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16, GQA {HQ}/8, page {PAGE}, shuffled page table; CUDA-graph replay, L2 flushed "
         f"before each run, CUDA-event median of {args.reps}; {args.rounds} rounds over the "
         "variants (order rotated each round); a variant's cell: median over rounds (min-max), "
-        "x floor. Variant = pages:unroll.", "",
+        "x floor. Variant = pages:unroll:hwait.", "",
         "| context | floor us | Triton us | "
         + " | ".join(":".join(map(str, v)) + (" (shipped)" if v == SHIPPED else "")
                      for v in variants) + " |",

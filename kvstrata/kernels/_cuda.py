@@ -104,6 +104,11 @@ __device__ __forceinline__ void grid_barrier_by(u32* ctr, int leader) {
     __syncthreads();
 }
 __device__ __forceinline__ void grid_barrier(u32* ctr) { grid_barrier_by(ctr, 0); }
+// KV head h's arrival counter for launches of `splits` (a power of two <= 128) splits per head
+// (grid_counter's layout)
+__device__ __forceinline__ u32* split_counter(u32* ctr, int splits, int h) {
+    return ctr + 16 + 128 * (31 - __clz(splits)) + h;
+}
 
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(bar)), "r"(count));
@@ -290,16 +295,22 @@ class _LaunchConfig(ctypes.Structure):
 
 #: Grid-barrier counters per (device, stream) of the launch or capture: int32, they only grow,
 #: and are never freed (a captured graph keeps using its own). Launches on two streams may run
-#: at once; each stream's counter sees only its own launches' arrivals.
+#: at once; each stream's counters see only their own launches' arrivals. Word 0: the grid
+#: barrier (:data:`BLOCKS` arrivals each); from word :data:`SPLIT_COUNTERS` on, 8 runs of
+#: :data:`BLOCKS` words, run ``log2(s)`` holding one word per KV head for launches of ``s``
+#: splits per head (``s`` arrivals each, so a launch's target is the next multiple of ``s``
+#: and launches of other split counts never share a word): the PRELUDE's ``split_counter``.
 _COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+SPLIT_COUNTERS = 16
 
 
 def grid_counter(device: torch.device) -> Tensor:
-    """The current stream's grid-barrier counter on ``device``."""
+    """The current stream's grid-barrier counters on ``device`` (the layout above)."""
     key = (device, torch.cuda.current_stream(device).cuda_stream)
     c = _COUNTERS.get(key)
     if c is None:
-        c = _COUNTERS[key] = torch.zeros(16, dtype=torch.int32, device=device)
+        c = _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS + 8 * BLOCKS, dtype=torch.int32,
+                                         device=device)
     return c
 
 

@@ -67,14 +67,14 @@ WARPS = 8
 #: o_proj rows per block kept in shared memory (measured: 16 of 32 rows beat 0 and 24 at 1k
 #: and 8k, docs/benchmarks.md fifteenth runner session)
 SMEM_ROWS = 16
-#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, unroll`` (the last two
-#: as :data:`ATTENTION_VARIANT` made the plain decode step no faster: docs/benchmarks.md,
-#: thirty-fourth runner session)
-VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0)
-#: :func:`decode_attention`'s ``pages, unroll``: the pages dealt round robin and the page loop
-#: two pages per trip (batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 -> 19.3 at 8k, 47.9 ->
-#: 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session)
-ATTENTION_VARIANT = (1, 1)
+#: :func:`source`'s switches as shipped: ``rs, rreg, rlate, pdl, pages, unroll, hwait`` (pages
+#: and unroll as :data:`ATTENTION_VARIANT` made the plain decode step no faster:
+#: docs/benchmarks.md, thirty-fourth runner session)
+VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
+#: :func:`decode_attention`'s ``pages, unroll, hwait``: the pages dealt round robin and the page
+#: loop two pages per trip (batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 -> 19.3 at 8k,
+#: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session)
+ATTENTION_VARIANT = (1, 1, 0)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -100,8 +100,10 @@ _SOURCE = r"""
 #define ATTN_ONLY %(attn_only)d
 #define PAGES %(pages)d
 #define UNROLL %(unroll)d
+#define HWAIT %(hwait)d
 #define NW 8
 #define ROWS (RPW * NW)
+static_assert(!HWAIT || GROUP <= SPLITS, "hwait: a head's query heads merged by its splits");
 %(prelude)s
 // This block's first RS o_proj rows into shared memory: bulk copies of <= 16 KB, one mbarrier.
 __device__ __forceinline__ void start_rows(const bf16_t* src_rows, unsigned char* smem, u64* bar) {
@@ -364,8 +366,25 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     }
     STAMP(1)
 
+#if HWAIT
+    // 3. the head's partials stored: its first GROUP blocks merge one of its query heads each,
+    // waiting for the head's SPLITS arrivals alone (its counter only grows by SPLITS per
+    // launch); the others go on at once
+    __syncthreads();
+    if (tid == 0) {
+        u32* hc = split_counter(ctr, SPLITS, h);
+        u32 old;
+        asm volatile("atom.add.release.gpu.global.u32 %%0, [%%1], 1;"
+                     : "=r"(old) : "l"(hc) : "memory");
+        const u32 target = old - old %% SPLITS + SPLITS;
+        if (sidx < GROUP)
+            while ((int)(ld_acquire(hc) - target) < 0) { }
+    }
+    __syncthreads();
+#else
     // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
     grid_barrier(ctr);
+#endif
 #if RREG
     // every block's attention is done: this warp's rows past RS into registers now
     v4 wg[RPW - RS / NW][K_IN / 256];
@@ -377,8 +396,15 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                                                 + it * 256 + lane * 8);
 #endif
     STAMP(2)
+#if HWAIT
+    // query head GROUP h + sidx, by block c = SPLITS h + sidx
+    const int mq = c %% SPLITS < GROUP ? GROUP * (c / SPLITS) + c %% SPLITS : -1;
+    for (int o = tid; o < 128 && mq >= 0; o += NW * 32)
+        xbuf[mq * 128 + o] = to_bf(merge_one(part_o, part_lse, mq, o));
+#else
     for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
         xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
+#endif
     STAMP(3)
 #if ATTN_ONLY
     return;   // xbuf is the attention output [NKV * GROUP, 128]
@@ -459,7 +485,7 @@ def _switches(given: tuple[int, ...] | None) -> tuple[int, ...]:
 
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
-           rlate: int = 2, pdl: int = 0, pages: int = 0, unroll: int = 0,
+           rlate: int = 2, pdl: int = 0, pages: int = 0, unroll: int = 0, hwait: int = 0,
            stamps: bool = False, attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
@@ -467,9 +493,13 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
     dependent launch, the first page's loads issued before the wait; ``pages``: each split a
     contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
-    first ids read beside the length instead of after it (1); ``unroll``: the page loop one page per trip, the next page's buffers copied
-    to the current ones (0: the copy waits for the next page's loads), or two pages per trip
-    with the buffers' roles swapped (1: the same products in the same order);
+    first ids read beside the length instead of after it (1); ``unroll``: the page loop one
+    page per trip, the next page's buffers copied to the current ones (0: the copy waits for
+    the next page's loads), or two pages per trip
+    with the buffers' roles swapped (1: the same products in the same order); ``hwait``: the
+    splits' merge after a grid barrier of all blocks (0), or each query head merged by one of
+    its KV head's blocks once that head's splits have arrived on its own counter, the other
+    blocks going on at once (1: the same sums);
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
     ``attn_only``: phases 2-3 alone, the merged attention written to ``xbuf``,
     :func:`decode_attention`)."""
@@ -477,7 +507,7 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     return _SOURCE % {"prelude": PRELUDE, "nkv": nkv, "group": group, "splits": BLOCKS // nkv,
                       "k_in": k_in, "rpw": rows // WARPS, "rs": min(rs, rows),
                       "rreg": int(rreg), "rlate": int(rlate), "pdl": int(pdl),
-                      "pages": int(pages), "unroll": int(unroll),
+                      "pages": int(pages), "unroll": int(unroll), "hwait": int(hwait),
                       "stamps": int(stamps),
                       "attn_only": int(attn_only)}
 
@@ -489,12 +519,12 @@ def smem_bytes(group: int, k_in: int, rs: int) -> int:
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
-          pdl: int, pages: int, unroll: int, stamps: bool,
+          pdl: int, pages: int, unroll: int, hwait: int, stamps: bool,
           attn_only: bool = False) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
-    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, unroll,
+    return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, unroll, hwait,
                   stamps, attn_only), rs
 
 
@@ -572,7 +602,8 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     norm_weight, eps)`` in one launch, where :func:`decode_segment_ok` holds: returns
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
-    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, unroll``, those left out as
+    ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, unroll, hwait``, those left
+    out as
     shipped; ``None``: :data:`VARIANT` or what ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and
     ``_stamps``
     (int64, ``BLOCKS * 16``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
@@ -614,18 +645,18 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
     return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *ATTENTION_VARIANT)
 
 
-def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int
-                 ) -> Kernel:
+def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int,
+                 hwait: int) -> Kernel:
     """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
-    ``pages`` and ``unroll`` as :func:`source` says."""
+    ``pages``, ``unroll`` and ``hwait`` as :func:`source` says."""
     return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS,
-                   (0, 0, 2, 0, pages, unroll), stamps=False, attn_only=True)
+                   (0, 0, 2, 0, pages, unroll, hwait), stamps=False, attn_only=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, unroll: int
-                   ) -> bool:
-    return compiles(lambda: _attn_kernel(device, nkv, group, pages, unroll),
+def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, unroll: int,
+                   hwait: int) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group, pages, unroll, hwait),
                     f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
                     f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
 
@@ -636,11 +667,12 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
     head, split) each, a grid barrier, then one block per query head merges the splits.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order. ``_variant``: ``pages, unroll`` (:func:`source`) for tests and benchmarks;
-    ``None``: :data:`ATTENTION_VARIANT`."""
+    summation order. ``_variant``: ``pages, unroll, hwait`` (:func:`source`; those left out as
+    shipped) for tests and benchmarks; ``None``: :data:`ATTENTION_VARIANT`."""
+    v = tuple(_variant or ()) + ATTENTION_VARIANT[len(_variant or ()):]
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device
-    kern = _attn_kernel(dev, hkv, hq // hkv, *(_variant or ATTENTION_VARIANT))
+    kern = _attn_kernel(dev, hkv, hq // hkv, *v)
     splits = BLOCKS // hkv
     part_o = torch.empty(splits * hq * 128, dtype=torch.float32, device=dev)
     part_lse = torch.empty(splits * hq, dtype=torch.float32, device=dev)

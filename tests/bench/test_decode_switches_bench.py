@@ -28,4 +28,4 @@ def test_it_needs_a_gpu():
 def test_a_bad_variant_is_one_line():
     r = _run("--variants", "1:2")
     assert r.returncode == 1
-    assert r.stderr.strip() == "--variants '1:2': pages:unroll, each 0 or 1, e.g. 0:1"
+    assert r.stderr.strip() == "--variants '1:2': pages:unroll[:hwait], each 0 or 1, e.g. 0:1"

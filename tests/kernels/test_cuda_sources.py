@@ -98,37 +98,41 @@ def test_decode_attention_alone_compiles(shape):
 
 
 @pytest.mark.parametrize("switches", [
-    (24, 1, 0, 1, 0, 0, True), (16, 0, 1, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, False),
-    (16, 0, 2, 1, 1, 0, True), (16, 0, 2, 1, 0, 1, False)])
+    (24, 1, 0, 1, 0, 0, 0, True), (16, 0, 1, 0, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, 0, False),
+    (16, 0, 2, 1, 1, 0, 0, True), (16, 0, 2, 1, 0, 1, 0, False), (16, 0, 2, 1, 0, 0, 1, True)])
 def test_decode_segment_benchmark_switches_compile(switches):
     """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
     start points, no rows in shared memory, the PDL launch, each split's pages contiguous or
-    its loop one page per trip, the phase timestamps."""
+    its loop one page per trip, the merge after the head's splits alone, the phase
+    timestamps."""
     src, rs = ds.build(8, 4, 4096, 4096, *switches)
     assert rs == switches[0]
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
-@pytest.mark.parametrize("switches", [(0, 0), (1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("switches", [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1),
+                                      (1, 1, 1)])
 @pytest.mark.parametrize("attn_only", [True, False])
 def test_decode_switches_compile(shape, switches, attn_only):
     """Both builds (``decode_attention``'s and the segment as shipped otherwise) with each
-    split's pages contiguous or dealt round robin, the page loop one or two pages per trip, in
-    every decode shape, without spills: one grid barrier before the merge (the segment has a
-    second one before o_proj); the loop's 16 products twice where it is unrolled."""
+    split's pages contiguous or dealt round robin, the page loop one or two pages per trip, the
+    merge after a grid barrier or after the head's splits alone, in every decode shape,
+    without spills: one wait before the merge (the segment has a second grid barrier before
+    o_proj); the loop's 16 products twice where it is unrolled."""
     nkv, group, k_in, n_out = shape
-    pages, unroll = switches
+    pages, unroll, hwait = switches
     if attn_only:
         src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
-                          pages, unroll, False, True)
+                          pages, unroll, hwait, False, True)
     else:
-        src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, unroll, False)
+        src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, unroll, hwait, False)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
     assert "atom.global.add" not in ptx
-    waits = ptx.count("ld.acquire.gpu")      # the grid barriers' waits
+    waits = ptx.count("ld.acquire.gpu")      # the waits before the merge and o_proj
     assert waits == (1 if attn_only else 2)
+    assert ptx.count("atom.add.release.gpu.global") == (1 if attn_only else 2)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + unroll)
 
 
