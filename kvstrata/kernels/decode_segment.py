@@ -2,7 +2,8 @@
 
 (:func:`decode_attention` is phases 2-3 alone: batch-1 decode attention in one launch, what
 :func:`~.attention.paged_attention` runs for it on such a GPU, built with the pages dealt round
-robin and the page loop unrolled, :data:`ATTENTION_VARIANT`.)
+robin, the page loop unrolled and each query head merged once its own KV head's splits are in
+instead of after a grid barrier, :data:`ATTENTION_VARIANT`.)
 
 At batch 1 a decoder layer's attention reads ~1 MB of K/V per 1k tokens and takes ~12 us in a
 step, nearly all latency, and o_proj (``gemv_add_norm``) cannot start streaming its weights until
@@ -73,8 +74,10 @@ SMEM_ROWS = 16
 VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
 #: :func:`decode_attention`'s ``pages, unroll, hwait``: the pages dealt round robin and the page
 #: loop two pages per trip (batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 -> 19.3 at 8k,
-#: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session)
-ATTENTION_VARIANT = (1, 1, 0)
+#: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session),
+#: each query head merged once its KV head's splits are in (9.5 -> 9.4, 19.3 -> 19.2, 46.9 ->
+#: 46.8; the segment's step no faster with it: thirty-fifth runner session)
+ATTENTION_VARIANT = (1, 1, 1)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -665,7 +668,8 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
                      sm_scale: float, _variant: tuple[int, ...] | None = None) -> Tensor:
     """Batch-1 decode attention in one launch, where :func:`decode_attention_ok` holds: the
     segment's attention and merge (phases 2-3 above) without o_proj: 128 blocks, one (KV
-    head, split) each, a grid barrier, then one block per query head merges the splits.
+    head, split) each, then one block per query head merges the splits once its KV head's
+    splits are in.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
     summation order. ``_variant``: ``pages, unroll, hwait`` (:func:`source`; those left out as
     shipped) for tests and benchmarks; ``None``: :data:`ATTENTION_VARIANT`."""
