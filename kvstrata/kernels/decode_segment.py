@@ -389,14 +389,16 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     grid_barrier(ctr);
 #endif
 #if RREG
-    // every block's attention is done: this warp's rows past RS into registers now
+    // this warp's rows past RS into registers: after the grid barrier (every block's attention
+    // is done), or under HWAIT once this block has merged (at once where it merges nothing)
     v4 wg[RPW - RS / NW][K_IN / 256];
-#pragma unroll
-    for (int rr = RS / NW; rr < RPW; ++rr)
-#pragma unroll
-        for (int it = 0; it < K_IN / 256; ++it)
-            wg[rr - RS / NW][it] = *(const v4*)(W + (size_t)(c * ROWS + warp + rr * NW) * K_IN
+#define LOAD_ROWS() _Pragma("unroll") for (int rr = RS / NW; rr < RPW; ++rr) \
+        _Pragma("unroll") for (int it = 0; it < K_IN / 256; ++it) \
+            wg[rr - RS / NW][it] = *(const v4*)(W + (size_t)(c * ROWS + warp + rr * NW) * K_IN \
                                                 + it * 256 + lane * 8);
+#if !HWAIT
+    LOAD_ROWS()
+#endif
 #endif
     STAMP(2)
 #if HWAIT
@@ -407,6 +409,9 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
 #else
     for (int o = tid; o < 128 && c < NKV * GROUP; o += NW * 32)
         xbuf[c * 128 + o] = to_bf(merge_one(part_o, part_lse, c, o));
+#endif
+#if RREG && HWAIT
+    LOAD_ROWS()
 #endif
     STAMP(3)
 #if ATTN_ONLY
@@ -491,7 +496,8 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
            rlate: int = 2, pdl: int = 0, pages: int = 0, unroll: int = 0, hwait: int = 0,
            stamps: bool = False, attn_only: bool = False) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
-    multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier;
+    multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier
+    (with ``hwait``: once the block has merged, at once where it merges nothing);
     ``rlate``: the rows' copies started after warp 0's first page's loads (0), once it has
     read its pages (1), or once its last page's loads are issued (2); ``pdl``: a programmatic
     dependent launch, the first page's loads issued before the wait; ``pages``: each split a

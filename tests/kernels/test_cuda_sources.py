@@ -99,12 +99,13 @@ def test_decode_attention_alone_compiles(shape):
 
 @pytest.mark.parametrize("switches", [
     (24, 1, 0, 1, 0, 0, 0, True), (16, 0, 1, 0, 0, 0, 0, False), (0, 0, 2, 0, 0, 0, 0, False),
-    (16, 0, 2, 1, 1, 0, 0, True), (16, 0, 2, 1, 0, 1, 0, False), (16, 0, 2, 1, 0, 0, 1, True)])
+    (16, 0, 2, 1, 1, 0, 0, True), (16, 0, 2, 1, 0, 1, 0, False), (16, 0, 2, 1, 0, 0, 1, True),
+    (16, 1, 2, 1, 0, 0, 1, False)])
 def test_decode_segment_benchmark_switches_compile(switches):
     """``segment_proto.py``'s variants: rows in registers after barrier 1, the rows' other
     start points, no rows in shared memory, the PDL launch, each split's pages contiguous or
-    its loop one page per trip, the merge after the head's splits alone, the phase
-    timestamps."""
+    its loop one page per trip, the merge after the head's splits alone (with the rows in
+    registers once a block has merged), the phase timestamps."""
     src, rs = ds.build(8, 4, 4096, 4096, *switches)
     assert rs == switches[0]
     _check(_compile(src, "90"), "decode_segment", ds.WARPS * 32)

@@ -285,8 +285,15 @@ def test_cuda_attention_switches_graph_replay_equals_eager(switches, mark):
     graph_replay_equals_eager(run, meta)
 
 
+# the segment's builds: its switches ``pages, unroll, hwait`` as above, and the rows past the
+# shared-memory ones in registers (``rreg``) after the grid barrier or, with ``hwait``, once a
+# block has merged
+SEG_BUILDS = ([ds.VARIANT[:4] + b for b in BUILDS if b != SEG_SHIPPED]
+              + [ds.VARIANT[:1] + (1,) + ds.VARIANT[2:6] + (w,) for w in (0, 1)])
+
+
 @pytest.mark.parametrize("ctx", [17, 4097, 70001])
-@pytest.mark.parametrize("switches", [b for b in BUILDS if b != SEG_SHIPPED])
+@pytest.mark.parametrize("switches", SEG_BUILDS)
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=cuda)])
 def test_cuda_segment_switches_equal_the_shipped_build(ctx, switches, mark):
     """The segment (attention + o_proj, a PDL launch as shipped) in each other build: within
@@ -296,10 +303,10 @@ def test_cuda_segment_switches_equal_the_shipped_build(ctx, switches, mark):
 
     def run(v, m=meta):
         return ds.decode_segment(q, kv, 1, m, sm_scale=128 ** -0.5, weight=w, residual=res,
-                                 norm_weight=gam, eps=1e-6, _variant=ds.VARIANT[:4] + v)
-    x0, h0, _ = run(SEG_SHIPPED)
+                                 norm_weight=gam, eps=1e-6, _variant=v)
+    x0, h0, _ = run(ds.VARIANT)
     x, h, _ = run(switches)
-    if switches[0] == SEG_SHIPPED[0]:
+    if switches[4] == ds.VARIANT[4]:
         assert torch.equal(h, h0) and torch.equal(x, x0)
     torch.testing.assert_close(h.float(), h0.float(), atol=3e-2, rtol=2e-2)
     if ctx == 4097:
