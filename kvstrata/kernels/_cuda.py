@@ -92,20 +92,24 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
 // ``leader``: the thread that arrives and waits for its block (the release is cumulative: the
 // block barrier before it orders every thread's writes, so any thread of the block may lead;
 // one with no loads in flight arrives sooner).
+// One arrival on a counter that grows by `n` per launch (2**32 a multiple of n); with `wait`,
+// until all n of this launch have arrived (the target: the next multiple of n).
+__device__ __forceinline__ void arrive(u32* ctr, u32 n, bool wait) {
+    u32 old;
+    asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;"
+                 : "=r"(old) : "l"(ctr) : "memory");
+    const u32 target = old - old % n + n;
+    if (wait)
+        while ((int)(ld_acquire(ctr) - target) < 0) { }
+}
 __device__ __forceinline__ void grid_barrier_by(u32* ctr, int leader) {
     __syncthreads();
-    if (threadIdx.x == leader) {
-        u32 old;
-        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;"
-                     : "=r"(old) : "l"(ctr) : "memory");
-        const u32 target = old - old % gridDim.x + gridDim.x;
-        while ((int)(ld_acquire(ctr) - target) < 0) { }
-    }
+    if (threadIdx.x == leader) arrive(ctr, gridDim.x, true);
     __syncthreads();
 }
 __device__ __forceinline__ void grid_barrier(u32* ctr) { grid_barrier_by(ctr, 0); }
 // KV head h's arrival counter for launches of `splits` (a power of two <= 128) splits per head
-// (grid_counter's layout)
+// (grid_counter's layout: SPLIT_COUNTERS = 16, then runs of BLOCKS = 128 words)
 __device__ __forceinline__ u32* split_counter(u32* ctr, int splits, int h) {
     return ctr + 16 + 128 * (31 - __clz(splits)) + h;
 }

@@ -374,15 +374,7 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
     // waiting for the head's SPLITS arrivals alone (its counter only grows by SPLITS per
     // launch); the others go on at once
     __syncthreads();
-    if (tid == 0) {
-        u32* hc = split_counter(ctr, SPLITS, h);
-        u32 old;
-        asm volatile("atom.add.release.gpu.global.u32 %%0, [%%1], 1;"
-                     : "=r"(old) : "l"(hc) : "memory");
-        const u32 target = old - old %% SPLITS + SPLITS;
-        if (sidx < GROUP)
-            while ((int)(ld_acquire(hc) - target) < 0) { }
-    }
+    if (tid == 0) arrive(split_counter(ctr, SPLITS, h), SPLITS, sidx < GROUP);
     __syncthreads();
 #else
     // 3. every partial stored: blocks 0 .. NKV * GROUP - 1 merge one query head each
@@ -504,8 +496,8 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
     first ids read beside the length instead of after it (1); ``unroll``: the page loop one
     page per trip, the next page's buffers copied to the current ones (0: the copy waits for
-    the next page's loads), or two pages per trip
-    with the buffers' roles swapped (1: the same products in the same order); ``hwait``: the
+    the next page's loads), or two pages per trip with the buffers' roles swapped (1: the
+    same products in the same order); ``hwait``: the
     splits' merge after a grid barrier of all blocks (0), or each query head merged by one of
     its KV head's blocks once that head's splits have arrived on its own counter, the other
     blocks going on at once (1: the same sums);
@@ -612,10 +604,9 @@ def decode_segment(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetad
     ``(norm_weight * h, h, RowRms)`` with ``h = residual + o_proj(attention)``.
 
     ``_variant`` (:func:`source`'s ``rs, rreg, rlate, pdl, pages, unroll, hwait``, those left
-    out as
-    shipped; ``None``: :data:`VARIANT` or what ``KVSTRATA_DECODE_SEGMENT_VARIANT`` says) and
-    ``_stamps``
-    (int64, ``BLOCKS * 16``: per-block phase timestamps) are for ``benchmarks/segment_proto.py``."""
+    out as shipped; ``None``: :data:`VARIANT` or what ``KVSTRATA_DECODE_SEGMENT_VARIANT``
+    says) and ``_stamps`` (int64, ``BLOCKS * 16``: per-block phase timestamps) are for
+    ``benchmarks/segment_proto.py``."""
     n, k_in = weight.shape
     hq, hkv = q.shape[1], kv_cache.shape[3]
     if residual.shape != (1, n) or norm_weight.shape != (n,):

@@ -123,16 +123,16 @@ def test_decode_switches_compile(shape, switches, attn_only):
     o_proj); the loop's 16 products twice where it is unrolled."""
     nkv, group, k_in, n_out = shape
     pages, unroll, hwait = switches
-    if hwait and not attn_only and shape != DECODE_SHAPES[0]:
-        pytest.skip("the segment ships hwait off (no faster in the step, thirty-fifth runner "
-                    "session); at 2 KV heads x 1024 its hwait build spills 8 bytes")
+    # the segment ships hwait off (no faster in the step, thirty-fifth runner session); in
+    # the 2-KV-head shape its hwait builds spill (8 and 52 bytes with this NVRTC)
+    spill = 64 if hwait and not attn_only and shape != DECODE_SHAPES[0] else 0
     if attn_only:
         src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
                           pages, unroll, hwait, False, True)
     else:
         src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, unroll, hwait, False)
     ptx, log = _compile(src, "90")
-    _check((ptx, log), "decode_segment", ds.WARPS * 32)
+    _check((ptx, log), "decode_segment", ds.WARPS * 32, spill)
     assert "atom.global.add" not in ptx
     waits = ptx.count("ld.acquire.gpu")      # the waits before the merge and o_proj
     assert waits == (1 if attn_only else 2)
