@@ -109,7 +109,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
                         desc[s].p = p; desc[s].q = q; desc[s].a = a; desc[s].w = W;
                         desc[s].r0 = r0; desc[s].nr = nr;
                         mbar_expect(&full[s], bytes);
-                        bulk_copy(ring + s * CHUNK, src, bytes, &full[s]);
+                        bulk_copy(sa(ring + s * CHUNK), src, bytes, &full[s]);
                         src += bytes;
                     }
                 }

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runner_bench import copy_rate  # noqa: E402
 
+from kvstrata.kernels._cuda import cuda_source  # noqa: E402
 from kvstrata.kernels.gemv import gemv  # noqa: E402
 
 #: Qwen3-8B layer: (N, K) of q/k/v, o_proj, gate/up, down
@@ -60,65 +61,17 @@ def consumers(stages: int) -> int:
     figures, docs/benchmarks.md tenth session part 7, ran with this race.)"""
     return max(n for n in range(1, MAX_CONSUMERS + 1) if stages % n == 0)
 
-#: Device helpers shared with ``dataflow_chain.py`` (a %-template: ``%%`` escapes):
-#: shared-memory addresses, mbarriers, bulk copies, bf16 conversions, L2 loads.
-HELPERS = r"""
-typedef unsigned short bf16_t;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-struct alignas(16) v4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ u32 sa(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(u64* b, u32 n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%%0], %%1;" :: "r"(sa(b)), "r"(n));
-}
-__device__ __forceinline__ void mbar_expect(u64* b, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;"
-                 :: "r"(sa(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%%0];" :: "r"(sa(b)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
-    u32 done = 0;
-    while (!done) {
-        asm volatile("{\n .reg .pred p;\n"
-                     " mbarrier.try_wait.parity.shared::cta.b64 p, [%%1], %%2;\n"
-                     " selp.u32 %%0, 1, 0, p;\n}"
-                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
-    }
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%%0], [%%1], %%2, [%%3];"
-                 :: "r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(bar)) : "memory");
-}
-__device__ __forceinline__ float bf(u32 h) { return __uint_as_float(h << 16); }
-__device__ __forceinline__ bf16_t to_bf(float f) {
-    u32 u = __float_as_uint(f);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_t)(u >> 16);
-}
-__device__ __forceinline__ v4 ld_cg(const void* p) {   // L2, not a stale L1 line
-    v4 v;
-    asm volatile("ld.global.cg.v4.u32 {%%0, %%1, %%2, %%3}, [%%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-    return v;
-}
+#: Device helpers shared with ``dataflow_chain.py`` (a %-template: ``%%`` escapes): the
+#: kernels' own (``kvstrata/kernels/cuda/prelude.cuh``: shared-memory addresses, mbarriers,
+#: bulk copies, bf16 conversions, L2 loads) and a ring's mbarriers.
+HELPERS = cuda_source("prelude.cuh", {"STAMPS": 0}).replace("%", "%%") + r"""
 // Thread 0 initialises a ring's full/empty mbarriers (one arrival each); the caller then
 // synchronises the block.
 __device__ __forceinline__ void ring_init(u64* full, u64* empty, int stages) {
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_fence_init();
     }
-}
-__device__ __forceinline__ u32 ld_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %%0, [%%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
 }
 
 """
@@ -193,7 +146,7 @@ chain(const u64* __restrict__ wptr, const int* __restrict__ Ns, const int* __res
                     if (n > 0) mbar_wait(&empty[s], (n - 1) & 1);
                     const u32 bytes = left < CHUNK ? (u32)left : CHUNK;
                     mbar_expect(&full[s], bytes);
-                    bulk_copy(ring + s * CHUNK, src, bytes, &full[s]);
+                    bulk_copy(sa(ring + s * CHUNK), src, bytes, &full[s]);
                 }
             }
         }
@@ -333,7 +286,7 @@ chain_mma(const u64* __restrict__ wptr, const int* __restrict__ Ns,
                         if (n > 0) mbar_wait(&empty[s], (n - 1) & 1);
                         mbar_expect(&full[s], (u32)(nr * CW * 2));
                         for (int r = 0; r < nr; ++r)
-                            bulk_copy(ring + s * STG + r * RSTRIDE,
+                            bulk_copy(sa(ring + s * STG + r * RSTRIDE),
                                       w + (u64)(g0 + r) * K + k0, CW * 2, &full[s]);
                     }
                 }

@@ -1,4 +1,5 @@
-"""The persistent segments' CUDA C++ (kernels.decode_segment, kernels.verify_segment) compiled
+"""The CUDA C++ of kernels/cuda (the persistent segments, kernels.decode_segment and
+kernels.verify_segment; the stream products' files are compiled in test_stream_gemv) compiled
 on the CPU by NVRTC (the ``nvidia-cuda-nvrtc-cu12`` wheel of the dev extras; no GPU, no driver):
 every shape class the ``*_ok`` functions serve builds for its target (``sm_90``, the warpgroup
 build ``sm_90a``) as shipped and with the benchmarks' switches, its PTX keeps every array in
@@ -17,7 +18,10 @@ import re
 
 import pytest
 
+from kvstrata.kernels import _cuda
 from kvstrata.kernels import decode_segment as ds
+from kvstrata.kernels import stream_gemv as sg
+from kvstrata.kernels import stream_rows as sr
 from kvstrata.kernels import verify_segment as vs
 
 
@@ -184,6 +188,47 @@ def test_verify_segment_benchmark_switches_compile():
     the last page and the timestamps (``segment_proto.py --queries``)."""
     src, arch = vs.build(8, 4, 4096, 4096, 10, 1, 1, 1, 0, 0, True)
     _check(_compile(src, arch), "verify_segment", vs.THREADS)
+
+
+def _kernel_sources() -> list[tuple[str, str, str]]:
+    """(file, source, NVRTC target) of each kernel file in ``kernels/cuda`` as shipped."""
+    return [("decode_segment.cu", ds.build(*DECODE_SHAPES[0], *ds.VARIANT, False)[0], "90"),
+            ("verify_segment.cu", *vs.build(*VERIFY_SHAPES[0], *vs.VARIANT, False)),
+            ("stream_gemv.cu", sg.build(4096, 4096, 132, False, True, False, 8, 192, 1, 1)[0],
+             "90"),
+            ("stream_rows.cu", sr.build_rows(4096, 4096, 132, True, False, 8, 192, 64, 1, 1)[0],
+             "90")]
+
+
+def test_kernel_files_are_built_with_their_defines_and_includes_in_place():
+    """A launcher's source is one ``#define`` per shape constant and switch, then its file of
+    ``kernels/cuda`` with every ``#include`` expanded (NVRTC gets no header files): each
+    ``.cuh`` once, nothing left to include, and every ``.cu`` of the folder built by one
+    launcher."""
+    folder = _cuda._SOURCES
+    files = sorted(f.name for f in folder.iterdir() if f.name.endswith(".cu"))
+    built = _kernel_sources()
+    assert sorted(name for name, _, _ in built) == files
+    for name, src, _ in built:
+        head, body = src.split("\n// ", 1)[0], folder.joinpath(name).read_text()
+        assert all(line.startswith("#define ") for line in head.splitlines()), name
+        assert "\n#include" not in src and src.count("typedef unsigned short bf16_t;") == 1
+        for line in body.splitlines():
+            if line.startswith("#include"):
+                header = line.split('"')[1]
+                assert folder.joinpath(header).read_text() in src, (name, header)
+    assert "wgmma.cuh" in folder.joinpath("verify_segment.cu").read_text()
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_kernel_file_built_without_a_define_says_so(case):
+    """Each ``.cu`` names the defines it needs: compiled without the first one, NVRTC's error
+    says which launcher builds it (not an undeclared identifier deep in the kernel)."""
+    name, src, arch = _kernel_sources()[case]
+    head, rest = src.split("\n", 1)
+    assert head.startswith("#define ")
+    with pytest.raises(AssertionError, match="built by kvstrata.kernels." + name[:-3]):
+        _compile(rest, arch)
 
 
 def test_a_shape_compiles_once():
