@@ -178,6 +178,17 @@ class _Server:
             raise APIError(413, f"prompt of {chars} characters exceeds the limit of "
                            f"{self.max_prompt_chars}", code="prompt_too_large", param="prompt")
 
+    def check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        """A prompt that fits whose ``max_tokens`` would run past ``max_seq_len`` is refused, as
+        OpenAI and vLLM refuse it, not answered with a completion cut short at the limit (a
+        prompt that does not fit at all is the engine's own 400)."""
+        n = len(prompt_ids)
+        if n < self.max_seq_len < n + max_tokens:
+            raise APIError(400, f"max_tokens={max_tokens} does not fit: the prompt has {n} "
+                           f"tokens and the context holds {self.max_seq_len}; ask for at most "
+                           f"{self.max_seq_len - n}", code="context_length_exceeded",
+                           param="max_tokens")
+
     def sampling(self, req, max_tokens: int) -> SamplingParams:
         kw = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                   top_k=req.top_k, seed=req.seed)
@@ -259,6 +270,8 @@ class _Server:
             raise APIError(400, str(e), param="prompt")
         ids = [self.encode(p) for p in prompts]
         params = self.sampling(req, 16 if req.max_tokens is None else req.max_tokens)
+        for p in ids:
+            self.check_fits(p, params.max_tokens)
         streams: list[RequestStream] = []
         try:
             for p in ids:
@@ -287,6 +300,8 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), param="messages")
         ids = self.encode(text)
+        if req.max_new_tokens:
+            self.check_fits(ids, req.max_new_tokens)
         max_tokens = req.max_new_tokens or max(1, self.max_seq_len - len(ids))
         stream = await self.submit(ids, self.sampling(req, max_tokens), req.cache_salt,
                                    "chatcmpl", arrival)

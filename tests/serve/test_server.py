@@ -209,6 +209,17 @@ def test_bad_requests_are_clean_4xx_and_the_server_keeps_serving(server, client,
     assert "max_seq_len" in _error(post("/v1/completions", {**good, "prompt": "x" * 300}), 400,
                                    "context_length_exceeded")
     _error(post("/v1/completions", {**good, "prompt": [0, 1, 99999]}), 400)
+    # A prompt that fits with max_tokens past the context: refused with what would fit (as
+    # OpenAI and vLLM do), in both endpoints; at the limit exactly it is served.
+    near = {**good, "prompt": [65] * (MAX_SEQ_LEN - 4)}
+    msg = _error(post("/v1/completions", {**near, "max_tokens": 5}), 400,
+                 "context_length_exceeded")
+    assert f"has {MAX_SEQ_LEN - 4} tokens" in msg and "at most 4" in msg, msg
+    status, body = post("/v1/completions", {**near, "max_tokens": 4, "ignore_eos": True})
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
+    assert "at most" in _error(post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": MAX_SEQ_LEN}), 400, "context_length_exceeded")
     _error(post("/v1/completions", {**good, "prompt": ""}), 400)
     _error(post("/v1/completions", {**good, "n": 2}), 400)
     _error(post("/v1/completions", {**good, "temperature": -1}), 400)
