@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import socket
 import sys
 
 HELP = "OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)"
@@ -31,13 +32,42 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * (1 << (10 * " kmgt".index(m.group(2).lower() or " "))))
 
 
+def parse_port(text: str) -> int:
+    """A TCP port, 0-65535 (0: one the system picks; the printed URL says which)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port: {text!r} (0-65535; 0 picks a free one)")
+    return port
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` before the model loads (minutes for a large one), so an
+    address in use fails at once; uvicorn listens on it. ``ValueError`` when it cannot bind."""
+    sock = None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+        sock.bind(addr)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET",
                    help="Qwen3 checkpoint directory or shipped model name (kvstrata-tiny-py)")
     p.add_argument("--drafter", metavar="DIR",
                    help="DFlash drafter directory or shipped name (none: plain decoding)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=parse_port, default=8000,
+                   help="TCP port (default 8000; 0: a free one, printed at start)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every endpoint but "
                    "/health; prefer the KVSTRATA_API_KEY environment variable (a command line "
                    "is visible to other users in ps)")
@@ -107,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = None
+    llm = sock = None
     try:
         api_key = args.api_key or os.environ.get("KVSTRATA_API_KEY") or None
         config = ServerConfig(model_name=args.served_model_name, api_key=api_key,
@@ -115,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                               max_prompt_chars=args.max_prompt_chars)
         cache = cache_config(args)
         try:
+            sock = listen(args.host, args.port)
             llm = LLM(args.target, args.drafter, cache=cache, device=device, dtype=args.dtype,
                       num_threads=args.threads or None)
         finally:
@@ -122,17 +153,29 @@ def run(args: argparse.Namespace) -> int:
             if llm is None and disk is not None:
                 disk.close()
         app = build_app(llm, config)
-    except (ValueError, RuntimeError) as e:
+    except BaseException as e:
+        if sock is not None:
+            sock.close()
         if llm is not None:
             llm.close()
+        if not isinstance(e, (ValueError, RuntimeError)):
+            raise
         print(f"kvstrata serve: error: {e}", file=sys.stderr)
         return 2
     srv = app.state.server
+    port = sock.getsockname()[1]
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         logging.getLogger("kvstrata.serve").warning(
             "listening on %s without an API key: anyone who can reach it can use it", args.host)
+    host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"kvstrata serve: {srv.model} on {device}, max_seq_len={srv.max_seq_len}, "
-          f"http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+          f"http://{host}:{port}/v1", flush=True)
+    served = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(served).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass      # the server re-raises the SIGINT it shut down on (as uvicorn.run, exit 0)
+    finally:
+        sock.close()
     return 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 
 from kvstrata.cli.main import main
-from kvstrata.cli.serve import parse_bytes
+from kvstrata.cli.serve import parse_bytes, parse_port
 
 
 @pytest.mark.parametrize("text,value", [("1048576", 1 << 20), ("512M", 512 << 20),
@@ -32,6 +33,39 @@ def test_usage_errors_exit_2_with_one_line(capsys, args, msg):
     assert main(["serve", "kvstrata-tiny-py", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvstrata serve: error: ") and msg in err[0]
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("8000", 8000), ("65535", 65535)])
+def test_ports(text, value):
+    assert parse_port(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "-1", "65536", "99999", "http", "80.5"])
+def test_bad_ports(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="not a port"):
+        parse_port(text)
+
+
+def test_an_address_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    """The port is bound before the model loads (minutes for a large one): a port in use or a
+    host that does not resolve is one line and exit 2 at once, and nothing is loaded."""
+    import kvstrata.runtime as rt
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(rt, "LLM", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "kvstrata-tiny-py", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstrata serve: error: cannot listen on 127.0.0.1:{port}: "
+                   f"Address already in use"], err
+    assert main(["serve", "kvstrata-tiny-py", "--host", "no-such-host.invalid"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot listen on no-such-host.invalid:8000" in err[0], err
 
 
 def test_api_key_is_not_shown_as_a_default(capsys, monkeypatch):

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import http.client
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from kvstrata.testing.redis import free_port
 
 MODEL = "kvstrata-tiny-py"
 API_KEY = "test-key-0123456789"
@@ -45,26 +45,36 @@ class Server:
 
 def start_server(tmp: Path, args: list[str], env: dict | None = None, timeout: float = 90.0,
                  target: str = MODEL, drafter: str = MODEL) -> Server:
-    port = free_port()
-    log = tmp / f"server-{port}.log"
+    """``kvstrata serve --port 0``: the system picks a free port (no race with another process
+    between choosing one and binding it) and the server prints its URL once bound."""
+    fd, name = tempfile.mkstemp(prefix="server-", suffix=".log", dir=tmp)
+    os.close(fd)
+    log = Path(name)
     cmd = [sys.executable, "-m", "kvstrata", "serve", target, "--drafter", drafter,
-           "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--device", "cpu",
+           "--host", "127.0.0.1", "--port", "0", "--threads", "1", "--device", "cpu",
            "--log-level", "warning", *args]
     full_env = {**os.environ, "TRITON_INTERPRET": "1", **(env or {})}
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, env=full_env)
-    srv = Server(f"http://127.0.0.1:{port}", port, proc, log)
+    srv = None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        if srv is None:
+            m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+            if m is None:
+                time.sleep(0.3)
+                continue
+            port = int(m.group(1))
+            srv = Server(f"http://127.0.0.1:{port}", port, proc, log)
         try:
             with urllib.request.urlopen(f"{srv.url}/health", timeout=2) as r:
                 if r.status == 200:
                     return srv
         except OSError:
             time.sleep(0.3)
-    srv.stop()
+    Server("", 0, proc, log).stop()
     raise RuntimeError(f"server did not become healthy in {timeout} s:\n{log.read_text()}")
 
 

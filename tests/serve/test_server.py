@@ -285,11 +285,14 @@ def test_disconnects_abort_and_free_pages(server, client, offline):
     assert got.startswith(b"HTTP/1.1 200")
     s.close()
     wait_idle(server)
-    # Non-streaming: hang up once it is running.
+    # Non-streaming: hang up once it is running (chat's max_tokens left out: what fits after
+    # the templated prompt).
     s = _raw_request(server, "/v1/chat/completions",
-                     {**{k: v for k, v in long.items() if k != "prompt"},
+                     {**{k: v for k, v in long.items() if k not in ("prompt", "max_tokens")},
                       "messages": [{"role": "user", "content": "def main():"}]})
+    deadline = time.monotonic() + 60
     while metrics(server)["kvstrata_requests_in_flight"] == 0:
+        assert time.monotonic() < deadline, "the chat request never ran"
         time.sleep(0.01)
     s.close()
     m = wait_idle(server)
