@@ -4,7 +4,7 @@ kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo
 < cli < __main__ (``python -m kvstrata``);
 ``integrations`` (vLLM / SGLang) ranks with the top layers but uses only tiers, pagepool and codecs
 (never the runtime); no module outside it may import vllm or sglang.
-``dtypes`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
+``dtypes``, ``devices`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
 blocks and the checkpoint loader, shared by drafter, runtime and training) sit just above them.
 Imports inside functions count too (a lazy import upward is still an upward dependency).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import kvstrata
 
 ROOT = Path(kvstrata.__file__).resolve().parent
-RANK = {"dtypes": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
+RANK = {"dtypes": 0, "devices": 0, "tokenizer": 0, "assets": 1, "nn": 1, "kernels": 2, "codecs": 3,
         "pagepool": 4, "tiers": 5, "drafter": 6, "runtime": 7, "training": 8, "bench": 8,
         "demo": 8, "testing": 8, "integrations": 8, "serve": 9, "cli": 10, "__main__": 11}
 

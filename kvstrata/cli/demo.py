@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,10 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _device(name: str):
+    """The device (``ValueError`` if this machine has none of that name) and its dtype."""
     import torch
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
+
+    from kvstrata.devices import resolve_device
+    dev = resolve_device(name)
     return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 
 
@@ -93,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 110))   # logs and CI: do not squeeze tables
     try:
         device, dtype = _device(args.device)
-    except RuntimeError as e:
-        console.print(f"[red]kvstrata demo: bad --device {args.device!r}: {e}[/red]")
+    except ValueError as e:
+        print(f"kvstrata demo: --device: {e}", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="kvstrata-demo-"))
     threads = torch.get_num_threads()
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                              snippet_bytes=opt["user_bytes"], context_bytes=opt["context_bytes"],
                              seed=args.seed, device=str(device), dtype=dtype, model=args.model)
         except ValueError as e:
-            console.print(f"[red]kvstrata demo: {e}[/red]")
+            print(f"kvstrata demo: {e}", file=sys.stderr)
             return 2
         console.print(f"kvstrata demo{' --long' if args.long else ''}: {cfg.model} on {device} "
                       f"({str(dtype).split('.')[-1]}), {cfg.conversations} conversations x "

@@ -22,10 +22,9 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from .tables import bad_pages_table, groups_table
+from .inspect_output import DAMAGED, OK, USAGE, bad_pages_table, error, groups_table
 
 HELP = "summarize, list, show, verify or repair the pages of a disk tier"
-OK, DAMAGED, USAGE = 0, 1, 2
 PROGRESS_EVERY_S = 5.0          # without a terminal: one progress line on stderr this often
 
 
@@ -44,10 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="rebuild a damaged index from the segment files and remove pages "
                            "that do not verify (no engine may have the tier open)")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-
-
-def _error(msg: str) -> None:
-    print(f"kvstrata inspect: {msg}", file=sys.stderr)
 
 
 def _date(t: float | None) -> str:
@@ -182,7 +177,7 @@ def _damage_doc(path: str, problem: str) -> dict:
 
 def _print_damage(doc: dict, as_json: bool) -> int:
     from kvstrata.pagepool import format_bytes
-    _error(f"{doc['path']}: the index is damaged: {doc['damaged']}")
+    error(f"{doc['path']}: the index is damaged: {doc['damaged']}")
     if as_json:
         print(json.dumps(doc))
     else:
@@ -203,7 +198,7 @@ def _open(path: str, as_json: bool):
     except TierDamaged as e:
         return _print_damage(_damage_doc(path, str(e).split(": ", 1)[-1]), as_json)
     except ValueError as e:
-        _error(str(e))
+        error(str(e))
         return USAGE
 
 
@@ -211,11 +206,11 @@ def _cmd_page(disk, rows, args, console) -> int:
     from rich.table import Table
     prefix = args.page.lower()
     if not prefix or any(c not in "0123456789abcdef" for c in prefix):
-        _error(f"--page takes a hex page hash (or a prefix of one), got {args.page!r}")
+        error(f"--page takes a hex page hash (or a prefix of one), got {args.page!r}")
         return USAGE
     matches = [r for r in rows if r[0].hex().startswith(prefix)]
     if len(matches) != 1:
-        _error(f"{len(matches)} pages match {args.page!r}; give more hex digits" if matches
+        error(f"{len(matches)} pages match {args.page!r}; give more hex digits" if matches
                else f"no page {args.page!r} in {args.path}")
         return USAGE
     doc = _page_doc(*matches[0])
@@ -239,7 +234,7 @@ def _cmd_verify(disk, rows, bad, args, console) -> int:
     failures = _verify(rows, bad)
     doc = {"pages": len(rows) + len(bad), "bad": failures, "index": index or "ok"}
     if index:
-        _error(f"{args.path}: the index is damaged: {index}")
+        error(f"{args.path}: the index is damaged: {index}")
     if args.json:
         print(json.dumps(doc))
     elif failures:
@@ -252,7 +247,7 @@ def _cmd_verify(disk, rows, bad, args, console) -> int:
 def _cmd_list(rows, args, console) -> int:
     from rich.table import Table
     if args.list < 0:
-        _error(f"--list takes a number of rows >= 1 (or nothing for all), got {args.list}")
+        error(f"--list takes a number of rows >= 1 (or nothing for all), got {args.list}")
         return USAGE
     shown = rows[:args.list] if args.list else rows
     docs = [{"hash": k.hex(), "namespace": r.header["ns"].hex()[:12],
@@ -297,7 +292,7 @@ def _cmd_repair(args, console) -> int:
     from kvstrata.tiers import DiskTier, TierDamaged
     if not os.path.isdir(args.path) or not (os.path.exists(os.path.join(args.path, "data.mdb"))
                                             or os.path.isdir(os.path.join(args.path, "segments"))):
-        _error(f"{args.path!r} is not a kvstrata disk tier")
+        error(f"{args.path!r} is not a kvstrata disk tier")
         return USAGE
     capacity = None
     try:        # keep the capacity the engine configured, or (index unreadable) every page
@@ -311,7 +306,7 @@ def _cmd_repair(args, console) -> int:
     try:
         disk = DiskTier(args.path, capacity_bytes=capacity, check=True)
     except ValueError as e:
-        _error(str(e))
+        error(str(e))
         return USAGE
     with disk:      # the open checked the index (walk included) and rebuilt it if damaged
         problem = disk.repaired

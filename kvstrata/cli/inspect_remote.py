@@ -16,7 +16,7 @@ import math
 from collections import Counter, defaultdict
 from urllib.parse import parse_qs, urlsplit
 
-from .tables import bad_pages_table, groups_table
+from .inspect_output import DAMAGED, OK, USAGE, bad_pages_table, error, groups_table
 
 _BATCH = 64
 
@@ -68,27 +68,34 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstrata.pagepool import format_bytes
     from kvstrata.tiers.record import check_stored
-    from kvstrata.tiers.remote import RemoteTier, RemoteUnavailable
+    from kvstrata.tiers.remote import RemoteTier, RemoteUnavailable, redact
 
     console = Console()
     if getattr(args, "repair", False):
-        console.print("[red]kvstrata inspect: --repair rebuilds a disk tier's index; a remote "
-                      "tier has none (delete bad records with --verify's list)[/red]")
-        return 2
+        error("--repair rebuilds a disk tier's index; a remote tier has none (delete bad "
+              "records with --verify's list)")
+        return USAGE
+    if args.list is not None and args.list < 0:
+        error(f"--list takes a number of rows >= 1 (or nothing for all), got {args.list}")
+        return USAGE
+    page = (args.page or "").lower()
+    if args.page is not None and (not page or page.strip("0123456789abcdef")):
+        error(f"--page takes a hex page hash (or a prefix of one), got {args.page!r}")
+        return USAGE
     url, prefix = _split(args.path)
     try:
         tier = RemoteTier(url, None, prefix=prefix)
     except (ValueError, RemoteUnavailable) as e:
-        console.print(f"[red]kvstrata inspect: {e}[/red]")
-        return 2
+        error(" ".join(str(e).split()))
+        return USAGE
     try:
         rows, bad = _records(tier)
         if args.page:
-            hits = [r for r in rows if r[1].hex().startswith(args.page.lower())]
+            hits = [r for r in rows if r[1].hex().startswith(page)]
             if len(hits) != 1:
-                console.print(f"[red]{len(hits)} pages match {args.page!r}; give more hex "
-                              f"digits[/red]" if hits else f"[red]no page {args.page!r}[/red]")
-                return 1
+                error(f"{len(hits)} pages match {args.page!r}; give more hex digits" if hits
+                      else f"no page {args.page!r} in {redact(url)}")
+                return USAGE
             ns, h, rec, n = hits[0]
             hd = rec.header
             doc = {"hash": h.hex(), "parent": hd["parent"].hex(), "namespace": ns.hex(),
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
                                                  "nbytes", "checksum")} for g in hd["groups"]]}
             if args.json:
                 print(json.dumps(doc))
-                return 0
+                return OK
             t = Table(title=f"page {doc['hash']}", show_header=False)
             for k in ("parent", "namespace", "format_version", "created", "record_bytes"):
                 t.add_row(k, str(doc[k]))
@@ -107,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                 t.add_row(f"group {g['name']}", f"{g['codec']} v{g['version']} {g['dtype']} "
                           f"{g['shape']} {g['nbytes']} B crc {g['checksum']:#010x}")
             console.print(t)
-            return 0
+            return OK
         if args.verify:
             failures = list(bad)
             for ns, h, rec, _ in rows:
@@ -123,29 +130,29 @@ def run(args: argparse.Namespace) -> int:
                 console.print(bad_pages_table(failures, doc["pages"]))
             else:
                 console.print(f"all {doc['pages']} pages verify")
-            return 1 if failures else 0
-        if args.list is not None and args.list is not False:
+            return DAMAGED if failures else OK
+        if args.list is not None:
             docs = [{"hash": h.hex(), "namespace": ns.hex()[:12], "created": r.header.get("created"),
                      "bytes": n, "codecs": ",".join(g["codec"] for g in r.header["groups"])}
                     for ns, h, r, n in sorted(rows, key=lambda r: r[2].header.get("created", 0))]
-            if args.list is not True and args.list > 0:
+            if args.list > 0:
                 docs = docs[:args.list]
             if args.json:
                 print(json.dumps(docs))
-                return 0
+                return OK
             t = Table(title=f"{len(docs)} pages, oldest written first")
             for c in ("hash", "namespace", "bytes", "codecs"):
                 t.add_column(c, justify="right" if c == "bytes" else "left")
             for d in docs:
                 t.add_row(d["hash"], d["namespace"], str(d["bytes"]), d["codecs"])
             console.print(t)
-            return 0
+            return OK
         doc = _summary(tier, rows, bad)
     finally:
         tier.close()
     if args.json:
         print(json.dumps(doc))
-        return 0
+        return OK
     kind = f"cluster of {doc['nodes']}" if doc["cluster"] else "standalone"
     t = Table(title=f"remote tier {doc['url']} ({kind})", show_header=False)
     t.add_row("pages", f"{doc['pages']}" + (f" ({doc['unreadable']} unreadable)" if bad else "")
@@ -157,4 +164,4 @@ def run(args: argparse.Namespace) -> int:
               or "-")
     console.print(t)
     console.print(groups_table(doc["groups"]))
-    return 0
+    return OK

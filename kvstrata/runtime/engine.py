@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..assets import resolve_model
+from ..devices import resolve_device
 from ..tokenizer import TextTokenizer, load_tokenizer
 from ..tokenizer import eos_token_ids as read_eos_ids
 from ..drafter import DFlashDrafter, DraftArena
@@ -121,7 +122,7 @@ class LLM(EngineCore):
         self.cache = cache = cache if cache is not None else CacheConfig()
         if not isinstance(cache, CacheConfig):
             raise ValueError(f"cache must be a CacheConfig, got {type(cache).__name__}")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.attn_impl = attn_impl
         self.target, tdir = _load(target, Qwen3Model.from_pretrained, self.device, dtype,
                                   "target")

@@ -18,15 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
-def resolve_device(device: str | None) -> torch.device:
-    """``"cuda"``, ``"cpu"``, ``"cuda:1"`` or ``None``/``"auto"`` (CUDA when present)."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return d
+from ..devices import resolve_device
 
 
 def seed_everything(seed: int) -> torch.Generator:

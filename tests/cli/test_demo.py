@@ -139,4 +139,6 @@ def test_long_preset_and_bad_options(tmp_path, capsys):
 
     assert LONG["turns"] > DEFAULT["turns"] and LONG["context_bytes"] >= DEFAULT["context_bytes"]
     assert _demo(tmp_path, "--context-bytes", "-1") == 2
-    assert "context_bytes (--context-bytes) must be an integer >= 0" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("kvstrata demo: ") and "context_bytes " \
+        "(--context-bytes) must be an integer >= 0" in err, err

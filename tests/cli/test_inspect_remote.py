@@ -30,8 +30,15 @@ def test_inspect_lists_and_verifies_remote_records(capsys):
         assert rc == 0 and sorted(r["hash"] for r in rows) == sorted(i.hash.hex() for i in infos)
         rc, rows = _json(capsys, srv.url, "--list", "2")
         assert rc == 0 and len(rows) == 2
-        assert main(["inspect", srv.url, "--repair"]) == 2
-        assert "no" in capsys.readouterr().out
+        # Usage errors: one line on stderr, exit 2 (as the disk tier's inspect).
+        for args, msg in [(["--repair"], "a remote tier has none"),
+                          (["--page", "xyz"], "--page takes a hex page hash"),
+                          (["--page", "f" * 32], f"no page '{'f' * 32}' in {srv.url}"),
+                          (["--list", "-1"], "--list takes a number of rows >= 1")]:
+            assert main(["inspect", srv.url, *args]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and err.count("\n") == 1 and msg in err, (args, err)
+            assert err.startswith("kvstrata inspect: ")
         rc, page = _json(capsys, srv.url, "--page", infos[2].hash.hex()[:10])
         assert rc == 0 and page["token_ids"] == list(infos[2].token_ids)
         rc, v = _json(capsys, srv.url, "--verify")
@@ -52,5 +59,9 @@ def test_inspect_lists_and_verifies_remote_records(capsys):
 
 
 def test_inspect_unreachable_server_is_a_clear_error(capsys):
-    rc = main(["inspect", f"redis://127.0.0.1:{free_port()}/0"])
-    assert rc == 2 and "cannot be reached" in capsys.readouterr().out
+    """One line on stderr (the client's own message has a line break), exit 2."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["inspect", url]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"kvstrata inspect: remote tier {url} cannot be reached: "), err

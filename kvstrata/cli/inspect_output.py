@@ -1,6 +1,18 @@
-"""Tables the inspect commands share (disk and remote tiers print the same way)."""
+"""How the inspect commands report, disk and remote tiers alike: exit codes, one-line errors
+on stderr, tables."""
 
 from __future__ import annotations
+
+import sys
+
+#: exit codes: success; a page or the index is damaged (or, remote, a record); a usage error
+#: (no such tier, a bad argument, the tier busy with a writer, a server out of reach)
+OK, DAMAGED, USAGE = 0, 1, 2
+
+
+def error(msg: str) -> None:
+    """A usage error or damage, one line on stderr (``kvstrata inspect: ...``)."""
+    print(f"kvstrata inspect: {msg}", file=sys.stderr)
 
 
 def bad_pages_table(failures: list[dict], total: int):
