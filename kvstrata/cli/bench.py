@@ -58,6 +58,8 @@ def run_acceptance(args: argparse.Namespace) -> int:
     from kvstrata.bench.acceptance import (render_markdown, render_sweep_markdown,
                                            run_acceptance_suite, run_length_sweep)
 
+    if args.out:
+        _check_out(args.out)      # before the run (minutes), not after it
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -78,13 +80,28 @@ def run_acceptance(args: argparse.Namespace) -> int:
         md = render_markdown(result)
     sys.stdout.write(md)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            if args.out.endswith(".json"):
-                json.dump(result, f, indent=1)
-            else:
-                f.write(md)
+        try:
+            with open(args.out, "w") as f:
+                if args.out.endswith(".json"):
+                    json.dump(result, f, indent=1)
+                else:
+                    f.write(md)
+        except OSError as e:
+            raise ValueError(f"--out {args.out!r}: cannot write it ({e.strerror or e}); the "
+                             f"tables are above") from None
     return 0
+
+
+def _check_out(path: str) -> None:
+    """``--out``'s folder made (``ValueError`` if it cannot be, or the path is a folder or not
+    writable)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path!r}: cannot create {folder}: {e.strerror or e}") from None
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {path!r} is a folder or in one this user cannot write")
 
 
 def run(args: argparse.Namespace) -> int:

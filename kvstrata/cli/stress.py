@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import resource
 import tempfile
 import time
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.tiers import DiskTier, TierManager
 
     from kvstrata.codecs import available_codecs
+    from kvstrata.devices import resolve_device
 
     if not args.seconds > 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds:g}")
@@ -101,13 +103,21 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--codecs: unknown codec {unknown[0]!r}; known: "
                          f"{', '.join(available_codecs())}")
+    device = resolve_device(args.device)
+    if args.dir is not None:
+        if os.path.exists(args.dir) and not os.path.isdir(args.dir):
+            raise ValueError(f"--dir {args.dir!r} is not a directory")
+        try:
+            os.makedirs(args.dir, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--dir {args.dir!r}: cannot create it: {e.strerror or e}") from None
     torch.set_num_threads(args.threads)
     console = Console()
     P = 16
     groups = [KVGroupSpec("target", 4, 2, 64, torch.bfloat16, codecs[0]),
               KVGroupSpec("draft", 1, 2, 64, torch.bfloat16, codecs[1])]
     ns = Namespace("stress-target", groups, P, drafter="stress-drafter")
-    pool = PagePool(groups, args.pages, P, args.device)
+    pool = PagePool(groups, args.pages, P, device)
     tmp = None
     path = args.dir
     if path is None:

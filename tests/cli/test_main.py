@@ -39,10 +39,27 @@ def test_subcommand_help_shows_defaults(capsys):
     (["--codecs", "foo"], "--codecs takes two names"),
     (["--codecs", "foo,identity"], "--codecs: unknown codec 'foo'; known: identity, lossless"),
     (["--pages", "0"], "--pages must be at least 1"),
+    (["--device", "tpu"], "'tpu' is not a device name"),
+    (["--device", "cuda:64"], "device 'cuda:64'"),            # no machine here has 65 GPUs
+    (["--dir", "{tmp}/afile"], "is not a directory"),
+    (["--dir", "{tmp}/afile/sub"], "cannot create it"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, capsys, args, msg):
+    """Bad values, a device this machine lacks, a --dir that cannot be a directory: one line,
+    exit 2, before anything runs."""
+    (tmp_path / "afile").write_text("x")
+    args = [a.format(tmp=tmp_path) for a in args]
     assert main(["stress", "--dir", str(tmp_path), *args]) == 2
     cap = capsys.readouterr()
     assert cap.out == ""
     err = cap.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvstrata stress: error: ") and msg in err[0]
+
+
+@pytest.mark.parametrize("out,msg", [("{tmp}/afile/x.md", "cannot create"),
+                                     ("{tmp}", "is a folder")])
+def test_bench_out_is_checked_before_the_run(tmp_path, capsys, out, msg):
+    (tmp_path / "afile").write_text("x")
+    assert main(["bench", "acceptance", "--out", out.format(tmp=tmp_path)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.count("\n") == 1 and msg in cap.err, cap.err

@@ -39,3 +39,4 @@ def test_stress_detects_wrong_pages(tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_stress_long_run_write_through(tmp_path, capsys):
     assert _run(tmp_path, "--seconds", "120", "--write-through", "--restart-every", "10") == 0
+
