@@ -14,9 +14,9 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a device name (e.g. cpu, cuda, cuda:1): "
-                         f"{e}") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (auto, cpu, cuda, cuda:N)"
+                         ) from None
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:

@@ -129,16 +129,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvstrata serve: {e.name} is missing; install the server extra: "
               f"pip install 'kvstrata[serve]'", file=sys.stderr)
         return 2
-    import torch
-
+    from kvstrata.devices import resolve_device
     from kvstrata.runtime import LLM
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = sock = None
     try:
+        device = resolve_device(args.device)
         api_key = args.api_key or os.environ.get("KVSTRATA_API_KEY") or None
         config = ServerConfig(model_name=args.served_model_name, api_key=api_key,
                               max_body_bytes=args.max_body_bytes,
