@@ -39,10 +39,14 @@ def test_cuda_past_what_the_machine_has(monkeypatch):
         resolve_device("cuda:2")
 
 
-def test_the_engine_and_the_cli_refuse_a_missing_device_before_loading(capsys):
+def test_the_engine_and_the_cli_refuse_a_missing_device_before_loading(tmp_path, capsys):
     missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
     with pytest.raises(ValueError, match=missing):
         LLM("kvstrata-tiny-py", "kvstrata-tiny-py", device=missing)
     assert main(["demo", "--device", missing]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("kvstrata demo: --device: "), err
+    from kvstrata.training.__main__ import main as train
+    assert train([str(tmp_path / "run"), "--device", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device: device" in err and not (tmp_path / "run").exists()

@@ -63,7 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    dev = resolve_device(a.device)
+    try:
+        dev = resolve_device(a.device)
+    except ValueError as e:
+        print(f"python -m kvstrata.training: error: --device: {e}", file=sys.stderr)
+        return 2
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
