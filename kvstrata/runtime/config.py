@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..codecs import available_codecs
 from ..pagepool.spec import KVGroupSpec, bytes_per_page, check_page_size, format_bytes
 
 if TYPE_CHECKING:
@@ -70,6 +71,11 @@ class CacheConfig:
                                                 or self.kv_cache_bytes <= 0):
             raise ValueError(f"CacheConfig.kv_cache_bytes must be a positive integer, got "
                              f"{self.kv_cache_bytes!r}")
+        for name in ("target_codec", "draft_codec"):
+            codec = getattr(self, name)
+            if codec not in available_codecs():
+                raise ValueError(f"CacheConfig.{name}: unknown codec {codec!r}; known: "
+                                 f"{', '.join(available_codecs())}")
         if self.drafter_backend not in BACKENDS:
             raise ValueError(f"CacheConfig.drafter_backend must be one of {BACKENDS}, got "
                              f"{self.drafter_backend!r}")

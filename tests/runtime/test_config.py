@@ -59,7 +59,9 @@ def test_drafter_target_compatibility(ckpts, tmp_path):
 @pytest.mark.parametrize("kw,msg", [
     (dict(page_size=6), "power of two"), (dict(max_batch_size=0), "max_batch_size"),
     (dict(drafter_backend="dense"), "drafter_backend"), (dict(kv_cache_bytes=-1), "kv_cache_bytes"),
-    (dict(max_seq_len=1), "max_seq_len")])
+    (dict(max_seq_len=1), "max_seq_len"),
+    (dict(target_codec="fp8"), "target_codec: unknown codec 'fp8'; known: identity, lossless"),
+    (dict(draft_codec="zstd"), "draft_codec: unknown codec 'zstd'")])
 def test_cache_config_fields(kw, msg):
     with pytest.raises(ValueError, match=msg):
         _cache(**kw)
