@@ -22,7 +22,8 @@ import sys
 import time
 from collections import Counter, defaultdict
 
-from .inspect_output import DAMAGED, OK, USAGE, bad_pages_table, error, groups_table
+from .inspect_output import (DAMAGED, OK, USAGE, bad_pages_table, error, groups_table,
+                             one_page, page_prefix)
 
 HELP = "summarize, list, show, verify or repair the pages of a disk tier"
 PROGRESS_EVERY_S = 5.0          # without a terminal: one progress line on stderr this often
@@ -204,14 +205,11 @@ def _open(path: str, as_json: bool):
 
 def _cmd_page(disk, rows, args, console) -> int:
     from rich.table import Table
-    prefix = args.page.lower()
-    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
-        error(f"--page takes a hex page hash (or a prefix of one), got {args.page!r}")
+    prefix = page_prefix(args.page)
+    if prefix is None:
         return USAGE
     matches = [r for r in rows if r[0].hex().startswith(prefix)]
-    if len(matches) != 1:
-        error(f"{len(matches)} pages match {args.page!r}; give more hex digits" if matches
-               else f"no page {args.page!r} in {args.path}")
+    if not one_page(matches, args.page, args.path):
         return USAGE
     doc = _page_doc(*matches[0])
     if args.json:

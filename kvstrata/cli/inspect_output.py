@@ -15,6 +15,24 @@ def error(msg: str) -> None:
     print(f"kvstrata inspect: {msg}", file=sys.stderr)
 
 
+def page_prefix(text: str) -> str | None:
+    """``--page``'s hex hash (or prefix of one) in lower case; ``None``, after the error line,
+    when it is not hex."""
+    prefix = text.lower()
+    if not prefix or prefix.strip("0123456789abcdef"):
+        error(f"--page takes a hex page hash (or a prefix of one), got {text!r}")
+        return None
+    return prefix
+
+
+def one_page(matches: list, text: str, where: str) -> bool:
+    """Whether exactly one page of ``where`` matched ``--page text``; the error line if not."""
+    if len(matches) != 1:
+        error(f"{len(matches)} pages match {text!r}; give more hex digits" if matches
+              else f"no page {text!r} in {where}")
+    return len(matches) == 1
+
+
 def bad_pages_table(failures: list[dict], total: int):
     """A rich table of ``failures`` (each ``{"hash", "error", ...}``) out of ``total`` pages."""
     from rich.table import Table

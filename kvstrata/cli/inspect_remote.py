@@ -16,7 +16,8 @@ import math
 from collections import Counter, defaultdict
 from urllib.parse import parse_qs, urlsplit
 
-from .inspect_output import DAMAGED, OK, USAGE, bad_pages_table, error, groups_table
+from .inspect_output import (DAMAGED, OK, USAGE, bad_pages_table, error, groups_table,
+                             one_page, page_prefix)
 
 _BATCH = 64
 
@@ -78,9 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list is not None and args.list < 0:
         error(f"--list takes a number of rows >= 1 (or nothing for all), got {args.list}")
         return USAGE
-    page = (args.page or "").lower()
-    if args.page is not None and (not page or page.strip("0123456789abcdef")):
-        error(f"--page takes a hex page hash (or a prefix of one), got {args.page!r}")
+    page = page_prefix(args.page) if args.page is not None else None
+    if args.page is not None and page is None:
         return USAGE
     url, prefix = _split(args.path)
     try:
@@ -92,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
         rows, bad = _records(tier)
         if args.page:
             hits = [r for r in rows if r[1].hex().startswith(page)]
-            if len(hits) != 1:
-                error(f"{len(hits)} pages match {args.page!r}; give more hex digits" if hits
-                      else f"no page {args.page!r} in {redact(url)}")
+            if not one_page(hits, args.page, redact(url)):
                 return USAGE
             ns, h, rec, n = hits[0]
             hd = rec.header

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import socket
+import warnings
 
 import pytest
 
@@ -66,6 +68,22 @@ def test_an_address_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     assert main(["serve", "kvstrata-tiny-py", "--host", "no-such-host.invalid"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen on no-such-host.invalid:8000" in err[0], err
+
+
+def test_a_model_that_fails_to_load_releases_the_port(capsys):
+    """The port is bound before the model loads; a load that fails closes it again."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        assert main(["serve", "/no/such/model", "--port", str(port)]) == 2
+        gc.collect()
+    assert "unknown model '/no/such/model'" in capsys.readouterr().err
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], \
+        [str(w.message) for w in seen]          # closed, not left to the collector
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
 
 
 def test_api_key_is_not_shown_as_a_default(capsys, monkeypatch):
