@@ -178,7 +178,7 @@ def render(rows: list[dict], ceiling: float, device: torch.device, reps: int) ->
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     from kvstrata.kernels import decode_segment as ds
     impl = (f"Triton; batch-1 decode up to {ds.ATTENTION_MAX_CONTEXT} tokens on sm_90: the CUDA "
-            "launch of `decode_segment.decode_attention` (pages:unroll:hwait "
+            "launch of `decode_segment.decode_attention` (pages:unroll:hwait:warps "
             f"{':'.join(map(str, ds.ATTENTION_VARIANT))})"
             if device.type == "cuda" else "torch reference")
     timing = ("CUDA events, L2 flushed before each" if device.type == "cuda"

@@ -3,7 +3,8 @@ builds of its switches, against the read floor and the Triton kernel, in one pro
 
     python benchmarks/decode_switches_bench.py [--contexts 1024 8192 ...] [--variants 0:0:0 ...]
 
-A variant is ``pages:unroll[:hwait]`` (:func:`kvstrata.kernels.decode_segment.source`). Per
+A variant is ``pages:unroll[:hwait[:warps]]`` (:func:`kvstrata.kernels.decode_segment.source`;
+unroll 2: each page loaded then used; warps 8, 12 or 16 per block). Per
 context one layer of a shuffled paged pool (``attention_bench.make_kv``: bf16, GQA 32/8, 128-dim
 heads, 16-token pages); the read floor (``attention_bench.read_floor``, the issue's
 single-launch floor) and the Triton kernel measured once, then ``--rounds`` rounds over the
@@ -37,15 +38,17 @@ def parse_variant(text: str) -> tuple[int, ...]:
         v = tuple(int(x) for x in text.split(":"))
     except ValueError:
         v = ()
-    if len(v) not in (2, 3) or any(x not in (0, 1) for x in v):
-        raise SystemExit(f"--variants {text!r}: pages:unroll[:hwait], each 0 or 1, e.g. 0:1")
+    if (len(v) not in (2, 3, 4) or any(x not in (0, 1) for x in v[:3:2])
+            or v[1] not in (0, 1, 2) or v[3:] not in ((), (8,), (12,), (16,))):
+        raise SystemExit(f"--variants {text!r}: pages:unroll[:hwait[:warps]], pages and hwait "
+                         "0 or 1, unroll 0-2, warps 8, 12 or 16, e.g. 1:2:1:12")
     return v + SHIPPED[len(v):]
 
 
 def bit_equal_to_shipped(v: tuple[int, ...]) -> bool:
-    """The builds that keep the shipped build's sums: the same pages per split (the loop's
-    unrolling and the merge's wait keep the products and their order)."""
-    return v[0] == SHIPPED[0]
+    """The builds that keep the shipped build's sums: the same pages per split and warps (the
+    loop's unrolling and the merge's wait keep the products and their order)."""
+    return v[0] == SHIPPED[0] and v[3] == SHIPPED[3]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         f"bf16, GQA {HQ}/8, page {PAGE}, shuffled page table; CUDA-graph replay, L2 flushed "
         f"before each run, CUDA-event median of {args.reps}; {args.rounds} rounds over the "
         "variants (order rotated each round); a variant's cell: median over rounds (min-max), "
-        "x floor. Variant = pages:unroll:hwait.", "",
+        "x floor. Variant = pages:unroll:hwait:warps.", "",
         "| context | floor us | Triton us | "
         + " | ".join(":".join(map(str, v)) + (" (shipped)" if v == SHIPPED else "")
                      for v in variants) + " |",

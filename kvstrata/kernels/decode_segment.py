@@ -77,7 +77,7 @@ VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
 #: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session),
 #: each query head merged once its KV head's splits are in (9.5 -> 9.4, 19.3 -> 19.2, 46.9 ->
 #: 46.8; the segment's step no faster with it: thirty-fifth runner session)
-ATTENTION_VARIANT = (1, 1, 1)
+ATTENTION_VARIANT = (1, 1, 1, WARPS)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
 VARIANT_ENV = "KVSTRATA_DECODE_SEGMENT_VARIANT"
@@ -102,7 +102,7 @@ def _switches(given: tuple[int, ...] | None) -> tuple[int, ...]:
 
 def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rreg: int = 0,
            rlate: int = 2, pdl: int = 0, pages: int = 0, unroll: int = 0, hwait: int = 0,
-           stamps: bool = False, attn_only: bool = False) -> str:
+           stamps: bool = False, attn_only: bool = False, warps: int = WARPS) -> str:
     """The kernel's CUDA source for one shape (``rs`` rows per block in shared memory, a
     multiple of 8; ``rreg``: the other rows loaded into registers after the first barrier
     (with ``hwait``: once the block has merged, at once where it merges nothing);
@@ -112,43 +112,49 @@ def source(nkv: int, group: int, k_in: int, n_out: int, rs: int = SMEM_ROWS, rre
     contiguous run of pages (0) or the pages dealt to the splits' warps round robin, their
     first ids read beside the length instead of after it (1); ``unroll``: the page loop one
     page per trip, the next page's buffers copied to the current ones (0: the copy waits for
-    the next page's loads), or two pages per trip with the buffers' roles swapped (1: the
-    same products in the same order); ``hwait``: the
+    the next page's loads), two pages per trip with the buffers' roles swapped (1: the
+    same products in the same order), or each page loaded and then used, no next page in
+    registers (2: the same products); ``hwait``: the
     splits' merge after a grid barrier of all blocks (0), or each query head merged by one of
     its KV head's blocks once that head's splits have arrived on its own counter, the other
     blocks going on at once (1: the same sums);
     ``stamps``: per-block phase timestamps, ``benchmarks/segment_proto.py``;
     ``attn_only``: phases 2-3 alone, the merged attention written to ``xbuf``,
-    :func:`decode_attention`)."""
+    :func:`decode_attention`; ``warps`` per block)."""
     rows = n_out // BLOCKS
+    if rows % warps:
+        raise ValueError(f"decode_segment.source: {rows} o_proj rows per block do not divide "
+                         f"among {warps} warps")
     return cuda_source("decode_segment.cu", {
-        "NKV": nkv, "GROUP": group, "SPLITS": BLOCKS // nkv, "K_IN": k_in, "RPW": rows // WARPS,
+        "NW": warps, "NKV": nkv, "GROUP": group, "SPLITS": BLOCKS // nkv, "K_IN": k_in,
+        "RPW": rows // warps,
         "RS": min(rs, rows), "RREG": rreg, "RLATE": rlate, "PDL": pdl, "STAMPS": stamps,
         "ATTN_ONLY": attn_only, "PAGES": pages, "UNROLL": unroll, "HWAIT": hwait})
 
 
-def smem_bytes(group: int, k_in: int, rs: int) -> int:
+def smem_bytes(group: int, k_in: int, rs: int, warps: int = WARPS) -> int:
     """Dynamic shared memory: the ``rs`` weight rows, the warps' partial states and the
     mbarrier."""
-    return rs * k_in * 2 + (WARPS * group * 128 + 2 * WARPS * group + WARPS) * 4 + 16
+    return rs * k_in * 2 + (warps * group * 128 + 2 * warps * group + warps) * 4 + 16
 
 
 def build(nkv: int, group: int, k_in: int, n_out: int, rs: int, rreg: int, rlate: int,
           pdl: int, pages: int, unroll: int, hwait: int, stamps: bool,
-          attn_only: bool = False) -> tuple[str, int]:
+          attn_only: bool = False, warps: int = WARPS) -> tuple[str, int]:
     """The source a launch compiles (for the device's own ``sm_90``) and the shared-memory rows
     it keeps (``rs``, at most the block's rows)."""
     rs = min(rs, n_out // BLOCKS)
     return source(nkv, group, k_in, n_out, rs, rreg, rlate, pdl, pages, unroll, hwait,
-                  stamps, attn_only), rs
+                  stamps, attn_only, warps), rs
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: torch.device, nkv: int, group: int, k_in: int, n_out: int,
-            v: tuple[int, ...], stamps: bool, attn_only: bool = False) -> Kernel:
-    src, rs = build(nkv, group, k_in, n_out, *v, stamps, attn_only)
+            v: tuple[int, ...], stamps: bool, attn_only: bool = False,
+            warps: int = WARPS) -> Kernel:
+    src, rs = build(nkv, group, k_in, n_out, *v, stamps, attn_only, warps)
     with torch.cuda.device(device):
-        return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs), WARPS * 32)
+        return Kernel(src, "decode_segment", smem_bytes(group, k_in, rs, warps), warps * 32)
 
 
 def decode_segment_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata, weight: Tensor,
@@ -260,17 +266,18 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
 
 
 def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int,
-                 hwait: int) -> Kernel:
+                 hwait: int, warps: int) -> Kernel:
     """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
-    ``pages``, ``unroll`` and ``hwait`` as :func:`source` says."""
-    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * WARPS,
-                   (0, 0, 2, 0, pages, unroll, hwait), stamps=False, attn_only=True)
+    ``pages``, ``unroll``, ``hwait`` and ``warps`` as :func:`source` says."""
+    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * warps,
+                   (0, 0, 2, 0, pages, unroll, hwait), stamps=False, attn_only=True,
+                   warps=warps)
 
 
 @functools.lru_cache(maxsize=None)
 def _attn_compiled(device: torch.device, nkv: int, group: int, pages: int, unroll: int,
-                   hwait: int) -> bool:
-    return compiles(lambda: _attn_kernel(device, nkv, group, pages, unroll, hwait),
+                   hwait: int, warps: int) -> bool:
+    return compiles(lambda: _attn_kernel(device, nkv, group, pages, unroll, hwait, warps),
                     f"kernels.decode_segment: attention not compiled for {nkv} KV heads x "
                     f"{group} on {device}", "batch-1 decode attention keeps the Triton kernel")
 
@@ -282,8 +289,8 @@ def decode_attention(q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMet
     head, split) each, then one block per query head merges the splits once its KV head's
     splits are in.
     Returns ``[1, Hq, 128]`` bf16, what :func:`~.attention.paged_attention` returns up to
-    summation order. ``_variant``: ``pages, unroll, hwait`` (:func:`source`; those left out as
-    shipped) for tests and benchmarks; ``None``: :data:`ATTENTION_VARIANT`."""
+    summation order. ``_variant``: ``pages, unroll, hwait, warps`` (:func:`source`; those left
+    out as shipped) for tests and benchmarks; ``None``: :data:`ATTENTION_VARIANT`."""
     v = tuple(_variant or ()) + ATTENTION_VARIANT[len(_variant or ()):]
     hq, hkv = q.shape[1], kv_cache.shape[3]
     dev = q.device

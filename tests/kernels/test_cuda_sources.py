@@ -92,8 +92,9 @@ def test_decode_segment_compiles(shape):
 def test_decode_attention_alone_compiles(shape):
     """``decode_attention``'s build: phases 2-3 only (no o_proj rows, no second barrier)."""
     nkv, group = shape[:2]
-    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
-                       *ds.ATTENTION_VARIANT, False, True)
+    *switches, warps = ds.ATTENTION_VARIANT
+    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * warps, 0, 0, 2, 0,
+                       *switches, False, True, warps)
     assert rs == 0 and "#define ATTN_ONLY 1" in src
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
@@ -117,7 +118,7 @@ def test_decode_segment_benchmark_switches_compile(switches):
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("switches", [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1),
-                                      (1, 1, 1)])
+                                      (1, 1, 1), (1, 2, 1)])
 @pytest.mark.parametrize("attn_only", [True, False])
 def test_decode_switches_compile(shape, switches, attn_only):
     """Both builds (``decode_attention``'s and the segment as shipped otherwise) with each
@@ -141,7 +142,21 @@ def test_decode_switches_compile(shape, switches, attn_only):
     waits = ptx.count("ld.acquire.gpu")      # the waits before the merge and o_proj
     assert waits == (1 if attn_only else 2)
     assert ptx.count("atom.add.release.gpu.global") == (1 if attn_only else 2)
-    assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + unroll)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 16 * (1 + (unroll == 1))
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES[:2])
+@pytest.mark.parametrize("pages", [0, 1])
+def test_decode_attention_with_12_warps_compiles(shape, pages):
+    """The attention-only build with 12 warps per block and each page loaded then used (the
+    page loop's registers for one page: 12 warps cap a thread at 168) in the 8-KV-head shapes,
+    without spills."""
+    nkv, group = shape[:2]
+    src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * 12, 0, 0, 2, 0, pages, 2, 1,
+                      False, True, 12)
+    ptx, log = _compile(src, "90")
+    _check((ptx, log), "decode_segment", 12 * 32)
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 16
 
 
 # the warpgroup build (4 query heads per KV head: Qwen3-8B, and 4 KV heads at 2048) and the

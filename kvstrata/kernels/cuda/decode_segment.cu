@@ -4,10 +4,9 @@
 // its `#include`s (files of this folder) expanded in place.
 #if !defined(NKV) || !defined(GROUP) || !defined(SPLITS) || !defined(K_IN) || !defined(RPW) || \
     !defined(RS) || !defined(RREG) || !defined(RLATE) || !defined(PDL) || !defined(STAMPS) || \
-    !defined(ATTN_ONLY) || !defined(PAGES) || !defined(UNROLL) || !defined(HWAIT)
+    !defined(ATTN_ONLY) || !defined(PAGES) || !defined(UNROLL) || !defined(HWAIT) || !defined(NW)
 #error "built by kvstrata.kernels.decode_segment.source(), which defines the shape"
 #endif
-#define NW 8
 #define ROWS (RPW * NW)
 static_assert(!HWAIT || GROUP <= SPLITS, "hwait: a head's query heads merged by its splits");
 #include "prelude.cuh"
@@ -221,12 +220,23 @@ decode_segment(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv, long
                 start_rows(W + (size_t)c * ROWS * K_IN, smem, bar); \
         } \
         attend_page(CK, CV, p0 + (k) * pstep, hi, r4, t4, qv, qk_scale, m, l, acc); }
-#if UNROLL
+#if UNROLL == 1
     // two pages per trip, the buffers' roles swapped: no register copy waits for the next
     // page's loads, so a warp waits on page k + 1 with page k + 2's loads already issued
     for (int k = 0; k < npw; k += 2) {
         PAGE_STEP(k, kr, vr, kn, vn)
         if (k + 1 < npw) PAGE_STEP(k + 1, kn, vn, kr, vr)
+    }
+#elif UNROLL == 2
+    // each page loaded, then used: no registers for the next page (room for more warps)
+    for (int k = 0; k < npw; ++k) {
+        if (k > 0) {
+            if ((k & 31) == 0) btl = k + lane < npw ? bt[p0 + (k + lane) * pstep] : 0;
+            LOAD_PAGE(kbase + (long long)__shfl_sync(FULL, btl, k & 31) * s_page, kr, vr);
+            if (RLATE == 2 && tid == 0 && k == npw - 1)
+                start_rows(W + (size_t)c * ROWS * K_IN, smem, bar);
+        }
+        attend_page(kr, vr, p0 + k * pstep, hi, r4, t4, qv, qk_scale, m, l, acc);
     }
 #else
     for (int k = 0; k < npw; ++k) {
