@@ -76,7 +76,8 @@ VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
 #: loop two pages per trip (batch-1 decode attention 9.9 -> 9.4 us at 1k, 19.6 -> 19.3 at 8k,
 #: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session),
 #: each query head merged once its KV head's splits are in (9.5 -> 9.4, 19.3 -> 19.2, 46.9 ->
-#: 46.8; the segment's step no faster with it: thirty-fifth runner session)
+#: 46.8; the segment's step no faster with it: thirty-fifth runner session); ``warps`` per
+#: block (12 with ``unroll`` 2, each page loaded then used: built, not yet measured)
 ATTENTION_VARIANT = (1, 1, 1, WARPS)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``

@@ -316,6 +316,14 @@ def test_cuda_segment_switches_equal_the_shipped_build(ctx, switches, mark):
         graph_replay_equals_eager(lambda m: run(switches, m), meta)
 
 
+def test_the_segment_refuses_warps_its_rows_do_not_divide_among():
+    """The segment's 32 o_proj rows per block (Qwen3-8B's 4096) go 4 to each of 8 warps; 12
+    warps are for the attention-only build (its phase 4 never runs)."""
+    with pytest.raises(ValueError, match="32 o_proj rows per block do not divide among 12"):
+        ds.source(8, 4, 4096, 4096, warps=12)
+    assert "#define NW 12" in ds.source(8, 4, 4096, ds.BLOCKS * 12, attn_only=True, warps=12)
+
+
 def test_variant_from_the_environment(monkeypatch):
     monkeypatch.delenv(ds.VARIANT_ENV, raising=False)
     assert ds._env_variant() == ds.VARIANT
