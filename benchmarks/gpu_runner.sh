@@ -26,7 +26,7 @@
 # benchmarks/dataflow_chain.py (DATAFLOW_ARGS, e.g. "--sg 16"); segment:
 # benchmarks/segment_proto.py (attention + o_proj in one launch; SEG_ARGS); cap: batch-1 decode
 # attention at 32k-128k with the CUDA launch capped at 32k (Triton past it), then at 128k;
-# switches: batch-1 decode attention's builds (decode_segment's pages / unroll / hwait
+# switches: batch-1 decode attention's builds (decode_segment's pages / unroll / hwait / warps
 # switches) at 1k-64k against the floor and Triton, one process (decode_switches_bench.py;
 # SWITCH_ARGS, e.g. "--contexts 8192 65536 --rounds 5"). Markdown/logs go to
 # $OUT/<step>.{md,log}; each step's last
