@@ -266,12 +266,25 @@ def decode_attention_ok(q: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
     return _attn_compiled(q.device, hkv, q.shape[1] // hkv, *ATTENTION_VARIANT)
 
 
+def _attn_args(nkv: int, group: int, pages: int, unroll: int, hwait: int, warps: int
+               ) -> tuple[int, int, tuple[int, ...]]:
+    """The attention-only build's ``k_in, n_out`` and switches: no o_proj rows (``n_out``
+    only sizes the unused phase 4, one row per warp); ``pages``, ``unroll``, ``hwait`` and
+    ``warps`` as :func:`source` says."""
+    return nkv * group * 128, BLOCKS * warps, (0, 0, 2, 0, pages, unroll, hwait)
+
+
+def attention_build(nkv: int, group: int, pages: int, unroll: int, hwait: int,
+                    warps: int = WARPS) -> tuple[str, int]:
+    """:func:`build` of :func:`decode_attention`'s kernel (for the CPU compile tests)."""
+    k_in, n_out, v = _attn_args(nkv, group, pages, unroll, hwait, warps)
+    return build(nkv, group, k_in, n_out, *v, False, True, warps)
+
+
 def _attn_kernel(device: torch.device, nkv: int, group: int, pages: int, unroll: int,
                  hwait: int, warps: int) -> Kernel:
-    """The attention-only build: no o_proj rows (``n_out`` only sizes the unused phase 4);
-    ``pages``, ``unroll``, ``hwait`` and ``warps`` as :func:`source` says."""
-    return _kernel(device, nkv, group, nkv * group * 128, BLOCKS * warps,
-                   (0, 0, 2, 0, pages, unroll, hwait), stamps=False, attn_only=True,
+    k_in, n_out, v = _attn_args(nkv, group, pages, unroll, hwait, warps)
+    return _kernel(device, nkv, group, k_in, n_out, v, stamps=False, attn_only=True,
                    warps=warps)
 
 

@@ -92,9 +92,7 @@ def test_decode_segment_compiles(shape):
 def test_decode_attention_alone_compiles(shape):
     """``decode_attention``'s build: phases 2-3 only (no o_proj rows, no second barrier)."""
     nkv, group = shape[:2]
-    *switches, warps = ds.ATTENTION_VARIANT
-    src, rs = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * warps, 0, 0, 2, 0,
-                       *switches, False, True, warps)
+    src, rs = ds.attention_build(nkv, group, *ds.ATTENTION_VARIANT)
     assert rs == 0 and "#define ATTN_ONLY 1" in src
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", ds.WARPS * 32)
@@ -132,8 +130,7 @@ def test_decode_switches_compile(shape, switches, attn_only):
     # the 2-KV-head shape its hwait builds spill (8 and 52 bytes with this NVRTC)
     spill = 64 if hwait and not attn_only and shape != DECODE_SHAPES[0] else 0
     if attn_only:
-        src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * ds.WARPS, 0, 0, 2, 0,
-                          pages, unroll, hwait, False, True)
+        src, _ = ds.attention_build(nkv, group, pages, unroll, hwait)
     else:
         src, _ = ds.build(*shape, *ds.VARIANT[:4], pages, unroll, hwait, False)
     ptx, log = _compile(src, "90")
@@ -152,8 +149,7 @@ def test_decode_attention_with_12_warps_compiles(shape, pages):
     page loop's registers for one page: 12 warps cap a thread at 168) in the 8-KV-head shapes,
     without spills."""
     nkv, group = shape[:2]
-    src, _ = ds.build(nkv, group, nkv * group * 128, ds.BLOCKS * 12, 0, 0, 2, 0, pages, 2, 1,
-                      False, True, 12)
+    src, _ = ds.attention_build(nkv, group, pages, 2, 1, 12)
     ptx, log = _compile(src, "90")
     _check((ptx, log), "decode_segment", 12 * 32)
     assert ptx.count("mma.sync.aligned.m16n8k16") == 16
