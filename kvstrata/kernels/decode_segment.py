@@ -2,7 +2,7 @@
 
 (:func:`decode_attention` is phases 2-3 alone: batch-1 decode attention in one launch, what
 :func:`~.attention.paged_attention` runs for it on such a GPU, built with the pages dealt round
-robin, the page loop unrolled and each query head merged once its own KV head's splits are in
+robin, each page loaded then used and each query head merged once its own KV head's splits are in
 instead of after a grid barrier, :data:`ATTENTION_VARIANT`.)
 
 At batch 1 a decoder layer's attention reads ~1 MB of K/V per 1k tokens and takes ~12 us in a
@@ -77,10 +77,10 @@ VARIANT = (SMEM_ROWS, 0, 2, 1, 0, 0, 0)
 #: 47.9 -> 46.8 at 32k, 78.5 -> 77.6 at 64k; docs/benchmarks.md, thirty-fourth runner session),
 #: each query head merged once its KV head's splits are in (9.5 -> 9.4, 19.3 -> 19.2, 46.9 ->
 #: 46.8; the segment's step no faster with it: thirty-fifth runner session); ``warps`` per
-#: block (12 made it no faster: H100, thirty-ninth runner session); ``unroll`` 2, each page
-#: loaded then used (bit-equal; H100, three runs: 8k 1.23-1.24 -> 1.21-1.22 x the floor, 4k
-#: 1.34 -> 1.31, 0.5k to 64k otherwise within 0.2 us: docs/benchmarks.md, thirty-ninth runner
-#: session)
+#: block (12 made it no faster: H100, thirty-ninth runner session); ``unroll`` now 2, each
+#: page loaded then used, no next page in registers (bit-equal; H100, three runs: 8k
+#: 1.23-1.24 -> 1.21-1.22 x the floor, 4k 1.34 -> 1.31, 0.5k to 64k otherwise within 0.2 us:
+#: docs/benchmarks.md, thirty-ninth runner session)
 ATTENTION_VARIANT = (1, 2, 1, WARPS)
 #: for benchmarks of the step (``benchmarks/gpu_runner.sh``): colon-separated switches that
 #: replace :data:`VARIANT`'s first ones, e.g. ``16:0:1``
