@@ -7,6 +7,7 @@ kernels < codecs < pagepool < tiers < drafter < runtime < (training, bench, demo
 ``dtypes``, ``devices`` and ``tokenizer`` are leaves every layer may use; ``assets`` and ``nn`` (model building
 blocks and the checkpoint loader, shared by drafter, runtime and training) sit just above them.
 Imports inside functions count too (a lazy import upward is still an upward dependency).
+No import loops between modules, and no module over ``MAX_MODULE_LINES`` lines.
 """
 
 import ast
@@ -154,3 +155,14 @@ def test_no_import_loops_between_modules():
         if m not in state:
             visit(m, [m])
     assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+#: A room that holds one idea (issue 19): a module past this many lines is split by idea.
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_the_line_limit():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(ROOT.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, (f"modules over {MAX_MODULE_LINES} lines (split them by idea): "
+                      + ", ".join(f"{m} ({n})" for m, n in long.items()))

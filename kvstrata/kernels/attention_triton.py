@@ -4,8 +4,7 @@ Grid ``(num_seqs * num_q_blocks, num_kv_heads, num_splits)``. A program owns one
 sequence and serves *all* its GQA query heads and (up to ``BLOCK_Q``) query tokens at once: its
 ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows are (token, head) pairs, so each KV tile is read once and
 multiplied against every query row that needs it. Decode and verify (<= 16 tokens with GQA 4) fit
-one query block, so every KV page of a sequence is read once per KV head. Long prefill chunks
-take several query blocks.
+one query block, which reads each KV page once per KV head (long prefill chunks take several).
 
 Split-KV (flash-decoding): when few programs would run (few sequences, long contexts), the plan
 cuts the KV range into ``num_splits`` pieces of ``tokens_per_split`` tokens; each piece writes a

@@ -30,7 +30,7 @@ A decode step is :meth:`ModelRunner.submit` (stage, replay, queue the copy) then
 that continues the last one before it is collected: the step's first kernel
 (``kernels.step_inputs``, captured in the graphs) takes each row's pending token and lengths
 from the previous step's output on the device, so the engine's host work on step N overlaps
-the device's step N + 1 (pinned staging has two slots for that).
+the device's step N + 1 (pinned staging, :mod:`.staging`, has two slots for that).
 
 Graph replay runs the same kernels with the same launch parameters on the same buffers as the
 eager decode path, so both give bit-identical tokens and K/V (``tests/runtime/test_runner_cuda``).
@@ -56,6 +56,7 @@ from ..kernels.step_inputs import assemble_step_inputs, greedy_accept, step_posi
 from .config import (SPLIT_ALIGN, RunnerConfig, default_ladder, draft_block_mode,
                      graph_batch_size, graphs_enabled, overlap_enabled)
 from .general import GeneralPath
+from .staging import StepStaging
 from .step import StepItem, StepTiming
 from .verify_width import WIDTHS_ENV, WidthPolicy, default_widths, parse_widths
 
@@ -178,19 +179,7 @@ class ModelRunner:
                       for w in {B, *self.widths}}
         # Pinned staging, two slots: a submitted step's copies may still be queued while the
         # host stages the next one (overlapped steps).
-        pin = dev.type == "cuda"
-        self._h_in = torch.zeros((2, 5 * mb), dtype=torch.int64, pin_memory=pin)
-        self._h_bt = torch.zeros((2, mb, self.max_pages), dtype=torch.int32, pin_memory=pin)
-        self._h_out = torch.zeros((2, mb, B + 2), dtype=torch.int32, pin_memory=pin)
-        self._his, self._hbts, self._hos = (self._h_in.numpy(), self._h_bt.numpy(),
-                                            self._h_out.numpy())
-        self._hbt = self._hbts[0]         # the last staged slot's block tables
-        self._copy_views: dict[tuple[int, int], tuple] = {}
-        # Which sequence's pages each staged block-table row holds, and how many (per slot): a
-        # live sequence's page list only grows (KVCacheManager.reserve extends it), so a row
-        # that keeps its sequence gets only its new pages written (8k tokens are 512 pages).
-        self._row_seq: list[list] = [[None] * mb, [None] * mb]
-        self._row_pages = [[0] * mb, [0] * mb]
+        self.staging = StepStaging(mgr, self._in, self.block_tables, self.out, B)
         self._slot = 1
         self._last: InFlight | None = None               # the last submitted decode step
         self._uncollected: list[InFlight | None] = [None, None]
@@ -347,7 +336,9 @@ class ModelRunner:
         """Start a decode step staged from the host (``items`` must pass :meth:`decode_ok`);
         :meth:`collect` waits for its tokens. Nothing waits for the device here."""
         b = self._batch(len(items), pad_to)
-        return self._run(b, len(items), self._stage(items, b))
+        slot = self._claim_slot()
+        self.staging.stage(slot, items, b)
+        return self._run(b, len(items), slot)
 
     @_inference
     def submit_next(self, prev: InFlight, rows: list[int], seq_ids: list,
@@ -363,14 +354,8 @@ class ModelRunner:
             raise RuntimeError("submit_next continues the last submitted decode step only")
         b = self._batch(len(rows))
         slot = self._claim_slot()
-        mb, hin = self.max_batch, self._his[slot]
-        n = len(rows)
-        self._stage_tables(seq_ids, slot)
-        hin[:n] = rows
-        hin[4 * mb:4 * mb + n] = max_lens
-        self._stage_padding(hin, n, b)
-        self._copy_in(slot, b)
-        return self._run(b, n, slot)
+        self.staging.stage_continued(slot, rows, seq_ids, max_lens, b)
+        return self._run(b, len(rows), slot)
 
     def collect(self, h: InFlight) -> list[list[int]]:
         """Wait for a submitted step and return, per row, the tokens it produced (accepted drafts
@@ -389,7 +374,7 @@ class ModelRunner:
                 self.width_policy.observe_time(h.b, h.width, e[0].elapsed_time(e[1]))
         self._uncollected[h.slot] = None
         B = self.B
-        rows = self._hos[h.slot, :h.n]
+        rows = self.staging.rows(h.slot, h.n)
         if self.drafter is not None:
             self.width_policy.observe(rows[:, B], rows[:, B + 1])
         return [r[:r[B]] for r in rows.tolist()]
@@ -427,67 +412,11 @@ class ModelRunner:
             wev[1].record()
         self._stats["decode_steps"] += 1
         self._stats["graph_steps"] += int(use)
-        dst, src = self._copies(slot, b)[1]
-        dst.copy_(src, non_blocking=True)
+        self.staging.copy_out(slot, b)
         if self._done is not None:
             self._done[slot].record()
         h = self._last = self._uncollected[slot] = InFlight(b, n, slot, w, wev is not None)
         return h
-
-    def _stage(self, items: list[StepItem], b: int) -> int:
-        """Host side of a decode step staged whole: pending tokens, lengths, block lengths and
-        block tables into a pinned slot, then two asynchronous copies into the persistent
-        buffers. Returns the slot."""
-        slot = self._claim_slot()
-        mb, hin = self.max_batch, self._his[slot]
-        n = len(items)
-        self._stage_tables([it.seq_id for it in items], slot)
-        hin[:n] = -1
-        hin[mb:mb + n] = [it.tokens[-1] for it in items]
-        hin[2 * mb:2 * mb + n] = [it.start for it in items]
-        hin[3 * mb:3 * mb + n] = [it.n for it in items]
-        self._stage_padding(hin, n, b)
-        self._copy_in(slot, b)
-        return slot
-
-    def _stage_padding(self, hin, n: int, b: int) -> None:
-        """Rows ``n..b`` of a staged step: padding (slot -1, length 0)."""
-        if n >= b:
-            return
-        mb = self.max_batch
-        hin[n:b] = -1
-        hin[mb + n:mb + b] = 0
-        hin[2 * mb + n:2 * mb + b] = -1
-        hin[3 * mb + n:3 * mb + b] = self.B
-
-    def _stage_tables(self, seq_ids: list, slot: int) -> None:
-        seqs, hbt = self.mgr.seqs, self._hbts[slot]
-        row_seq, row_pages = self._row_seq[slot], self._row_pages[slot]
-        for i, sid in enumerate(seq_ids):
-            seq = seqs[sid]
-            pages = seq.page_ids
-            n = len(pages)
-            k = row_pages[i] if row_seq[i] is seq else 0
-            if k > n or (k and hbt[i, k - 1] != pages[k - 1]):
-                k = 0       # not the list this row staged: the whole row again
-            if n > k:
-                hbt[i, k:n] = pages[k:]
-            row_seq[i], row_pages[i] = seq, n
-        self._hbt = hbt
-
-    def _copies(self, slot: int, b: int) -> tuple:
-        """A step's copies as (destination, source) views, made once per (slot, padded
-        batch): the staged inputs and block tables in, the output rows out."""
-        v = self._copy_views.get((slot, b))
-        if v is None:
-            v = self._copy_views[(slot, b)] = (
-                ((self._in, self._h_in[slot]), (self.block_tables[:b], self._h_bt[slot, :b])),
-                (self._h_out[slot, :b], self.out[:b]))
-        return v
-
-    def _copy_in(self, slot: int, b: int) -> None:
-        for dst, src in self._copies(slot, b)[0]:
-            dst.copy_(src, non_blocking=True)
 
     def _assemble(self, b: int) -> None:
         """The step's first kernel: ``small`` (tokens, lengths, block lengths, split lengths)
@@ -577,8 +506,8 @@ class ModelRunner:
         if not self.use_graphs or self.graphs:
             return
         mb = self.max_batch
-        self._stage_padding(self._his[0], 0, mb)      # every row padding: nothing is written
-        self._in.copy_(self._h_in[0])
+        self.staging.padding(0, 0, mb)      # every row padding: nothing is written
+        self._in.copy_(self.staging.h_in[0])
         torch.cuda.synchronize(self.device)
         # Capture releases the allocator's free blocks (torch.cuda.graph empties the cache),
         # e.g. the separate weights merge_weights replaced: release them first, so the

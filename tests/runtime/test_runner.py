@@ -128,19 +128,22 @@ def test_buffers_reused_across_changing_batches_equal_the_general_path(ckpts):
         assert fast == general, f"order {order}"
         for i, r in enumerate(rs):   # staged rows: written in part when a row keeps its sequence
             pages = llm.mgr.seqs[r.seq_id].page_ids
-            assert llm.runner._hbt[i, :len(pages)].tolist() == pages, f"order {order} row {i}"
+            staged = run.staging.last_tables[i, :len(pages)].tolist()
+            assert staged == pages, f"order {order} row {i}"
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
         _commit(llm, rs, fast)
     assert run.stats()["decode_steps"] == 6
     # six steps alternate the two slots over four padded sizes: (0, 4), (1, 2), (0, 1), (1, 3),
     # (0, 4) again, (1, 2) again
-    assert sorted(run._copy_views) == [(0, 1), (0, 4), (1, 2), (1, 3)]
-    for (slot, b), ((ins, tables), out) in run._copy_views.items():
-        assert ins[0] is run._in and ins[1].data_ptr() == run._h_in[slot].data_ptr()
+    stg = run.staging
+    assert sorted(stg.views) == [(0, 1), (0, 4), (1, 2), (1, 3)]
+    for (slot, b), ((ins, tables), out) in stg.views.items():
+        assert ins[0] is run._in and ins[1].data_ptr() == stg.h_in[slot].data_ptr()
         assert tables[0].shape[0] == b and tables[0].data_ptr() == run.block_tables.data_ptr()
-        assert tables[1].data_ptr() == run._h_bt[slot].data_ptr() and tables[1].shape[0] == b
-        assert out[0].data_ptr() == run._h_out[slot].data_ptr() and out[1].shape[0] == b
+        assert tables[1].data_ptr() == stg.h_bt[slot].data_ptr() and tables[1].shape[0] == b
+        assert out[0].data_ptr() == stg.h_out[slot].data_ptr() and out[1].shape[0] == b
+        assert out[1].data_ptr() == run.out.data_ptr()
 
 
 
@@ -167,7 +170,7 @@ def test_random_step_schedules_equal_the_general_path(ckpts, steps):
         assert fast == general
         for i, r in enumerate(rs):
             pages = llm.mgr.seqs[r.seq_id].page_ids
-            assert run._hbt[i, :len(pages)].tolist() == pages
+            assert run.staging.last_tables[i, :len(pages)].tolist() == pages
         for g in llm.pool.kv:
             torch.testing.assert_close(llm.pool.kv[g], kv_general[g], atol=1e-5, rtol=1e-5)
         _commit(llm, rs, fast)
