@@ -11,8 +11,8 @@ One step (see DESIGN.md, "Runtime"):
 5. on the host: stop ids/strings, ``min_tokens``, lengths; then ``commit`` the tokens (hashing
    pages that became full: only now are both groups of those tokens written).
 
-Overlapped steps (the core submits step N + 1 before it reads step N's tokens) are
-:mod:`.overlap`'s.
+Overlapped steps, where the core submits step N + 1 before it reads step N's tokens, live in
+:mod:`.overlap` (:class:`~.overlap.OverlappedSteps`, the base of :class:`EngineCore`).
 """
 
 from __future__ import annotations
