@@ -49,7 +49,7 @@ class OverlappedSteps:
     """The step in flight (``_flight``): submit it, continue it on the device, land it, or
     abandon it and free what it held."""
 
-    _flight: _Flight | None = None
+    _flight: _Flight | None        # set by the core's __init__
 
     def _submit(self, sched: Scheduler, plan: StepPlan) -> bool:
         """Submit ``plan`` as the step in flight when it is a decode-path step and overlapping

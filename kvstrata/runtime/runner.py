@@ -177,8 +177,7 @@ class ModelRunner:
         # query start offsets at a fixed stride: B (the draft block) and each verify width
         self._qsls = {w: torch.arange(mb + 1, dtype=torch.int32, device=dev) * w
                       for w in {B, *self.widths}}
-        # Pinned staging, two slots: a submitted step's copies may still be queued while the
-        # host stages the next one (overlapped steps).
+        # pinned staging, two slots (overlapped steps: see .staging)
         self.staging = StepStaging(mgr, self._in, self.block_tables, self.out, B)
         self._slot = 1
         self._last: InFlight | None = None               # the last submitted decode step
